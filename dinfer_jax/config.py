@@ -1,0 +1,245 @@
+"""ModelConfig: one frozen description of LLaDA-MoE, dense LLaDA and LLaDA2-MoE."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Mapping
+
+Family = Literal["llada_moe", "llada", "llada2_moe"]
+FAMILIES = ("llada_moe", "llada", "llada2_moe")
+MOE_IMPLS = ("auto", "dense", "ragged")
+
+
+class ConfigError(ValueError):
+  """A model config that is unknown, incomplete or inconsistent; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture hyperparameters. Dimension letters: D model, F ffn, N heads, K kv heads, H head dim,
+  E experts, V vocab. Layers [0, n_dense_layers) are dense SwiGLU, the rest are MoE."""
+
+  family: Family
+  vocab_size: int  # V
+  d_model: int  # D
+  n_layers: int
+  n_heads: int  # N
+  n_kv_heads: int  # K
+  head_dim: int  # H
+  ffn_dim: int = 0  # F of the dense layers
+  n_dense_layers: int = 0
+  n_experts: int = 0  # E
+  n_experts_per_tok: int = 0  # top-k
+  expert_ffn_dim: int = 0
+  shared_expert_ffn_dim: int = 0  # 0 = no shared expert
+  # "softmax": LLaDA-MoE, softmax over all experts, top-k, no renormalisation.
+  # "sigmoid_grouped": LLaDA2, sigmoid + bias for selection, group-limited, renormalised, scaled.
+  router: Literal["softmax", "sigmoid_grouped"] = "softmax"
+  n_groups: int = 1
+  topk_groups: int = 1
+  routed_scaling_factor: float = 1.0
+  router_bias: bool = False  # LLaDA2's expert_bias: added to the scores for selection only
+  qk_norm: bool = False
+  rope_theta: float = 10000.0
+  rotary_dim: int = 0  # 0 means the full head_dim
+  rms_eps: float = 1e-5
+  max_position: int = 4096
+  mask_token_id: int = 0
+  eos_token_id: int = 0
+  pad_token_id: int | None = None
+  # Which MoE kernel the forward uses. "auto" picks by backend and token count (see model/moe.py).
+  moe_impl: str = "auto"
+
+  def __post_init__(self):
+    def need(cond, field, msg):
+      if not cond:
+        raise ConfigError(f"ModelConfig.{field}: {msg} (got {getattr(self, field)!r})")
+
+    need(self.family in FAMILIES, "family", f"must be one of {FAMILIES}")
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_position"):
+      need(isinstance(getattr(self, f), int) and getattr(self, f) > 0, f, "must be a positive int")
+    need(self.n_heads % self.n_kv_heads == 0, "n_kv_heads", f"must divide n_heads={self.n_heads}")
+    need(0 <= self.n_dense_layers <= self.n_layers, "n_dense_layers", f"must be in [0, n_layers={self.n_layers}]")
+    if self.n_dense_layers > 0:
+      need(self.ffn_dim > 0, "ffn_dim", "dense layers need a positive ffn_dim")
+    if self.n_moe_layers > 0:
+      need(self.n_experts > 0, "n_experts", "MoE layers need experts")
+      need(0 < self.n_experts_per_tok <= self.n_experts, "n_experts_per_tok", f"must be in [1, n_experts={self.n_experts}]")
+      need(self.expert_ffn_dim > 0, "expert_ffn_dim", "MoE layers need a positive expert_ffn_dim")
+      need(self.n_groups > 0 and self.n_experts % self.n_groups == 0, "n_groups", f"must divide n_experts={self.n_experts}")
+      need(0 < self.topk_groups <= self.n_groups, "topk_groups", f"must be in [1, n_groups={self.n_groups}]")
+      if self.router == "sigmoid_grouped":
+        need(self.topk_groups * (self.n_experts // self.n_groups) >= self.n_experts_per_tok, "topk_groups",
+             "the kept groups must hold at least n_experts_per_tok experts")
+    need(self.router in ("softmax", "sigmoid_grouped"), "router", "must be 'softmax' or 'sigmoid_grouped'")
+    need(self.shared_expert_ffn_dim >= 0, "shared_expert_ffn_dim", "must be >= 0")
+    need(0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, "rotary_dim",
+         f"must be even and in [0, head_dim={self.head_dim}]")
+    need(self.rope_theta > 0, "rope_theta", "must be positive")
+    need(self.rms_eps > 0, "rms_eps", "must be positive")
+    for f in ("mask_token_id", "eos_token_id"):
+      need(0 <= getattr(self, f) < self.vocab_size, f, f"must be a token id in [0, vocab_size={self.vocab_size})")
+    need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
+
+  @property
+  def n_moe_layers(self) -> int:
+    return self.n_layers - self.n_dense_layers
+
+  @property
+  def rope_dim(self) -> int:
+    return self.rotary_dim or self.head_dim
+
+  @property
+  def kv_groups(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  # ------------------------------------------------------------------ presets (released hyperparameters)
+  @classmethod
+  def llada_moe_7b_a1b(cls) -> "ModelConfig":
+    return cls(family="llada_moe", vocab_size=157184, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16,
+               head_dim=128, n_experts=64, n_experts_per_tok=8, expert_ffn_dim=1024, router="softmax",
+               qk_norm=True, rope_theta=50000.0, rms_eps=1e-5, max_position=8192,
+               mask_token_id=156895, eos_token_id=156892, pad_token_id=156892)
+
+  @classmethod
+  def llada_8b(cls) -> "ModelConfig":
+    return cls(family="llada", vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+               head_dim=128, ffn_dim=12288, n_dense_layers=32, rope_theta=500000.0, rms_eps=1e-5,
+               max_position=4096, mask_token_id=126336, eos_token_id=126081, pad_token_id=126081)
+
+  @classmethod
+  def llada2_mini(cls) -> "ModelConfig":
+    return cls(family="llada2_moe", vocab_size=157184, d_model=2048, n_layers=20, n_heads=16, n_kv_heads=4,
+               head_dim=128, ffn_dim=5120, n_dense_layers=1, n_experts=256, n_experts_per_tok=8,
+               expert_ffn_dim=512, shared_expert_ffn_dim=512, router="sigmoid_grouped", n_groups=8,
+               topk_groups=4, routed_scaling_factor=2.5, router_bias=True, qk_norm=True, rope_theta=600000.0, rotary_dim=64,
+               rms_eps=1e-6, max_position=16384, mask_token_id=156895, eos_token_id=156892,
+               pad_token_id=156892)
+
+  # ------------------------------------------------------------------ HF config.json
+  @classmethod
+  def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> "ModelConfig":
+    """Recognises LLaDA-MoE (model_type 'llada' + num_experts), dense LLaDA ('llada' + d_model) and LLaDA2-MoE."""
+    if not isinstance(hf, Mapping):
+      raise ConfigError(f"config.json must be a JSON object, got {type(hf).__name__}")
+    mt = hf.get("model_type")
+    if mt == "llada" and "num_experts" in hf:
+      cfg = _from_llada_moe(hf)
+    elif mt == "llada" and "d_model" in hf:
+      cfg = _from_llada_dense(hf)
+    elif mt == "llada2_moe":
+      cfg = _from_llada2(hf)
+    elif mt == "llada":
+      raise ConfigError("config.json: model_type 'llada' has neither 'num_experts' (LLaDA-MoE) nor 'd_model' (dense LLaDA)")
+    else:
+      raise ConfigError(f"config.json: unknown model_type {mt!r}; expected 'llada' (LLaDA-MoE or dense LLaDA) or 'llada2_moe'")
+    cfg.update(overrides)
+    return cls(**cfg)
+
+
+def _get(hf, key, default=dataclasses.MISSING, *, typ=None):
+  if key not in hf or hf[key] is None:
+    if default is dataclasses.MISSING:
+      raise ConfigError(f"config.json: required field {key!r} is missing")
+    return default
+  v = hf[key]
+  if typ is int and not (isinstance(v, int) and not isinstance(v, bool)):
+    raise ConfigError(f"config.json: field {key!r} must be an int, got {v!r}")
+  if typ is float and not isinstance(v, (int, float)):
+    raise ConfigError(f"config.json: field {key!r} must be a number, got {v!r}")
+  return v
+
+
+def _tokens(hf, mask_default, eos_default):
+  eos = hf.get("eos_token_id", eos_default)
+  if isinstance(eos, list):
+    eos = eos[0]
+  return dict(mask_token_id=_get(hf, "mask_token_id", mask_default, typ=int),
+              eos_token_id=eos if eos is not None else eos_default,
+              pad_token_id=hf.get("pad_token_id"))
+
+
+def _from_llada_moe(hf):
+  d, n = _get(hf, "hidden_size", typ=int), _get(hf, "num_attention_heads", typ=int)
+  if d % n:
+    raise ConfigError(f"config.json: hidden_size={d} is not divisible by num_attention_heads={n}")
+  prf = _get(hf, "partial_rotary_factor", 1.0, typ=float)
+  if prf != 1.0:
+    raise ConfigError(f"config.json: partial_rotary_factor={prf} is not supported for LLaDA-MoE (must be 1.0)")
+  if hf.get("shared_expert_intermediate_size") not in (None, 0):
+    raise ConfigError("config.json: shared_expert_intermediate_size must be null for LLaDA-MoE "
+                      f"(got {hf['shared_expert_intermediate_size']!r})")
+  if hf.get("moe_router_enable_expert_bias"):
+    raise ConfigError("config.json: moe_router_enable_expert_bias=true is not supported for LLaDA-MoE "
+                      "(dInfer ignores the bias; refusing to guess)")
+  if hf.get("clip_qkv") is not None:
+    raise ConfigError(f"config.json: clip_qkv={hf['clip_qkv']!r} is not supported (must be null)")
+  if hf.get("rope_scaling") is not None:
+    raise ConfigError(f"config.json: rope_scaling={hf['rope_scaling']!r} is not supported (must be null)")
+  return dict(family="llada_moe", vocab_size=_get(hf, "vocab_size", typ=int), d_model=d,
+              n_layers=_get(hf, "num_hidden_layers", typ=int), n_heads=n,
+              n_kv_heads=_get(hf, "num_key_value_heads", n, typ=int), head_dim=d // n,
+              n_experts=_get(hf, "num_experts", typ=int), n_experts_per_tok=_get(hf, "num_experts_per_tok", typ=int),
+              expert_ffn_dim=_get(hf, "expert_intermediate_size", typ=int), router="softmax",
+              qk_norm=bool(hf.get("qk_layernorm", True)), rope_theta=float(_get(hf, "rope_theta", typ=float)),
+              rms_eps=float(_get(hf, "rms_norm_eps", 1e-5, typ=float)),
+              max_position=_get(hf, "max_position_embeddings", 8192, typ=int),
+              **_tokens(hf, 156895, 156892))
+
+
+def _from_llada_dense(hf):
+  d, n = _get(hf, "d_model", typ=int), _get(hf, "n_heads", typ=int)
+  if d % n:
+    raise ConfigError(f"config.json: d_model={d} is not divisible by n_heads={n}")
+  if hf.get("block_type", "llama") != "llama":
+    raise ConfigError(f"config.json: block_type={hf.get('block_type')!r} is not supported (only 'llama')")
+  if hf.get("weight_tying"):
+    raise ConfigError("config.json: weight_tying=true is not supported (LLaDA ships a separate ff_out head)")
+  if hf.get("block_group_size", 1) != 1:
+    raise ConfigError(f"config.json: block_group_size={hf.get('block_group_size')!r} is not supported (must be 1)")
+  if hf.get("include_bias") or hf.get("include_qkv_bias"):
+    raise ConfigError("config.json: include_bias/include_qkv_bias must be false")
+  if hf.get("activation_type", "silu") != "silu":
+    raise ConfigError(f"config.json: activation_type={hf.get('activation_type')!r} is not supported (only 'silu')")
+  vocab = _get(hf, "embedding_size", None) or _get(hf, "vocab_size", typ=int)
+  ffn = hf.get("mlp_hidden_size") or _get(hf, "mlp_ratio", typ=int) * d
+  nl = _get(hf, "n_layers", typ=int)
+  return dict(family="llada", vocab_size=vocab, d_model=d, n_layers=nl, n_heads=n,
+              n_kv_heads=hf.get("n_kv_heads") or n, head_dim=d // n, ffn_dim=ffn, n_dense_layers=nl,
+              qk_norm=bool(hf.get("attention_layer_norm", False)), rope_theta=float(_get(hf, "rope_theta", typ=float)),
+              rms_eps=float(_get(hf, "rms_norm_eps", 1e-5, typ=float)),
+              max_position=_get(hf, "max_sequence_length", 4096, typ=int),
+              **_tokens(hf, 126336, 126081))
+
+
+def _from_llada2(hf):
+  d, n = _get(hf, "hidden_size", typ=int), _get(hf, "num_attention_heads", typ=int)
+  hd = hf.get("head_dim") or d // n
+  prf = float(_get(hf, "partial_rotary_factor", 1.0, typ=float))
+  rot = int(hd * prf)
+  if hf.get("rope_scaling") is not None:
+    raise ConfigError(f"config.json: rope_scaling={hf['rope_scaling']!r} is not supported (must be null)")
+  if hf.get("score_function", "sigmoid") != "sigmoid":
+    raise ConfigError(f"config.json: score_function={hf.get('score_function')!r} is not supported (only 'sigmoid')")
+  if hf.get("use_qkv_bias") or hf.get("use_bias"):
+    raise ConfigError("config.json: use_qkv_bias/use_bias must be false")
+  if hf.get("num_nextn_predict_layers", 0):
+    raise ConfigError("config.json: num_nextn_predict_layers > 0 (MTP) is not supported")
+  return dict(family="llada2_moe", vocab_size=_get(hf, "vocab_size", typ=int), d_model=d,
+              n_layers=_get(hf, "num_hidden_layers", typ=int), n_heads=n,
+              n_kv_heads=_get(hf, "num_key_value_heads", n, typ=int), head_dim=hd,
+              ffn_dim=_get(hf, "intermediate_size", typ=int),
+              n_dense_layers=_get(hf, "first_k_dense_replace", 0, typ=int),
+              n_experts=_get(hf, "num_experts", typ=int), n_experts_per_tok=_get(hf, "num_experts_per_tok", typ=int),
+              expert_ffn_dim=_get(hf, "moe_intermediate_size", typ=int),
+              shared_expert_ffn_dim=_get(hf, "moe_intermediate_size", typ=int) * _get(hf, "num_shared_experts", 0, typ=int),
+              router="sigmoid_grouped", n_groups=_get(hf, "n_group", 1, typ=int),
+              topk_groups=_get(hf, "topk_group", 1, typ=int),
+              routed_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0, typ=float)),
+              router_bias=bool(hf.get("moe_router_enable_expert_bias", True)),
+              qk_norm=bool(hf.get("use_qk_norm", True)), rope_theta=float(_get(hf, "rope_theta", typ=float)),
+              rotary_dim=rot if rot != hd else 0, rms_eps=float(_get(hf, "rms_norm_eps", 1e-6, typ=float)),
+              max_position=_get(hf, "max_position_embeddings", 16384, typ=int),
+              **_tokens(hf, 156895, 156892))

@@ -1,0 +1,34 @@
+"""Bidirectional grouped-query attention over a (possibly cached) key set."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite, so a query whose keys are all masked (a padding row) gets a uniform softmax instead of NaN.
+_MASKED = -1e30
+
+
+def mask_bias(mask: jax.Array | None, T: int) -> jax.Array | None:
+  """mask [B, S] (key validity) or [B, T, S] (per query), True = may attend -> additive fp32 bias
+  broadcastable to the scores [B, K, G, T, S]."""
+  if mask is None:
+    return None
+  if mask.ndim == 2:
+    mask = mask[:, None, :]
+  return jnp.where(mask, 0.0, _MASKED).astype(jnp.float32)[:, None, None, :, :]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None) -> jax.Array:
+  """q [B, T, N, H], k/v [B, S, K, H] -> [B, T, N, H]. kv head g serves q heads g*G .. g*G+G-1.
+
+  Scores and softmax in fp32; the value product back in the activation dtype with fp32 accumulation.
+  """
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  qg = q.reshape(B, T, K, N // K, H)
+  s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * (H ** -0.5)
+  if bias is not None:
+    s = s + bias
+  p = jax.nn.softmax(s, axis=-1)
+  o = jnp.einsum("BKGTS,BSKH->BTKGH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return o.astype(q.dtype).reshape(B, T, N, H)

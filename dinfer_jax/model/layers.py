@@ -1,0 +1,41 @@
+"""Small pure building blocks: RMSNorm, rotary embedding, SwiGLU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+  """Normalises over the last axis. Statistics in fp32 (bf16 mean-of-squares loses digits), then cast back
+  to x's dtype before the weight multiply, as the reference models do."""
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return w.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, *, theta: float, rot_dim: int) -> jax.Array:
+  """Half-split ("rotate_half", NeoX) RoPE on the first rot_dim dims of each head.
+
+  Args:
+    x: [B, T, n, H] queries or keys.
+    positions: [B, T] absolute positions (each row keeps its own when prompts are padded).
+  Dims i and i + rot_dim/2 rotate together; dims past rot_dim pass through (LLaDA2's partial RoPE).
+  The angles are computed in fp32 and the rotation done in fp32: positions up to 8k times the largest
+  frequency would lose the low bits in bf16.
+  """
+  half = rot_dim // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / rot_dim)  # [rot/2]
+  ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rot/2]
+  cos = jnp.cos(ang)[:, :, None, :]
+  sin = jnp.sin(ang)[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2, rest = xf[..., :half], xf[..., half:rot_dim], xf[..., rot_dim:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+  return out.astype(x.dtype)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+  """down(silu(x @ gate) * (x @ up)) for kernels gate/up [D, F], down [F, D]; x [..., D]."""
+  g = jnp.einsum("...D,DF->...F", x, gate.astype(x.dtype))
+  u = jnp.einsum("...D,DF->...F", x, up.astype(x.dtype))
+  return jnp.einsum("...F,FD->...D", jax.nn.silu(g) * u, down.astype(x.dtype))

@@ -1,0 +1,161 @@
+"""The parameter tree: shapes, logical axis names and random initialisation, all derived from ModelConfig.
+
+Layout (kernels are [in, out]; layers stacked on a leading axis so the forward can lax.scan):
+
+  embed        [V, D]                       lm_head [D, V]        final_norm [D]
+  dense_layers (n_dense_layers stacked)     moe_layers (n_moe_layers stacked)
+    attn_norm [L, D]  q [L, D, N, H]  k,v [L, D, K, H]  o [L, N, H, D]  q_norm,k_norm [L, H] (qk_norm)
+    ffn_norm [L, D]
+    dense:  mlp.{gate,up} [L, D, F]   mlp.down [L, F, D]
+    moe:    router [L, D, E]  expert_bias [L, E] (router_bias)
+            experts.{gate,up} [L, E, D, F]   experts.down [L, E, F, D]
+            shared.{gate,up} [L, D, Fs]   shared.down [L, Fs, D] (shared_expert_ffn_dim > 0)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dinfer_jax.config import ModelConfig
+
+# Parameters that stay fp32 whatever the weight dtype: the router's selection-only bias is a buffer
+# that dInfer keeps in fp32, and rounding it would change which experts are picked.
+FP32_PARAMS = ("expert_bias",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  shape: tuple[int, ...]
+  axes: tuple[str, ...]  # logical axis names, one per dim (see sharding.py)
+  init: str = "normal"  # "normal" (fan-in scaled) or "ones" (norm weights) or "zeros"
+
+  def __post_init__(self):
+    if len(self.shape) != len(self.axes):
+      raise ValueError(f"ParamSpec: shape {self.shape} and axes {self.axes} differ in rank")
+
+
+def _layer_specs(cfg: ModelConfig, n: int, moe: bool) -> dict[str, Any]:
+  D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  s = {
+      "attn_norm": ParamSpec((n, D), ("layers", "norm"), "ones"),
+      "q": ParamSpec((n, D, N, H), ("layers", "embed", "q_heads", "head_dim")),
+      "k": ParamSpec((n, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+      "v": ParamSpec((n, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+      "o": ParamSpec((n, N, H, D), ("layers", "q_heads", "head_dim", "embed")),
+      "ffn_norm": ParamSpec((n, D), ("layers", "norm"), "ones"),
+  }
+  if cfg.qk_norm:
+    s["q_norm"] = ParamSpec((n, H), ("layers", "head_dim"), "ones")
+    s["k_norm"] = ParamSpec((n, H), ("layers", "head_dim"), "ones")
+  if not moe:
+    F = cfg.ffn_dim
+    s["mlp"] = {
+        "gate": ParamSpec((n, D, F), ("layers", "embed", "mlp")),
+        "up": ParamSpec((n, D, F), ("layers", "embed", "mlp")),
+        "down": ParamSpec((n, F, D), ("layers", "mlp", "embed")),
+    }
+    return s
+  E, F = cfg.n_experts, cfg.expert_ffn_dim
+  s["router"] = ParamSpec((n, D, E), ("layers", "embed", "router_experts"))
+  if cfg.router_bias:
+    s["expert_bias"] = ParamSpec((n, E), ("layers", "router_experts"), "zeros")
+  s["experts"] = {
+      "gate": ParamSpec((n, E, D, F), ("layers", "experts", "embed", "expert_mlp")),
+      "up": ParamSpec((n, E, D, F), ("layers", "experts", "embed", "expert_mlp")),
+      "down": ParamSpec((n, E, F, D), ("layers", "experts", "expert_mlp", "embed")),
+  }
+  if cfg.shared_expert_ffn_dim:
+    Fs = cfg.shared_expert_ffn_dim
+    s["shared"] = {
+        "gate": ParamSpec((n, D, Fs), ("layers", "embed", "mlp")),
+        "up": ParamSpec((n, D, Fs), ("layers", "embed", "mlp")),
+        "down": ParamSpec((n, Fs, D), ("layers", "mlp", "embed")),
+    }
+  return s
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, Any]:
+  """Nested dict of ParamSpec with the structure of the params pytree."""
+  D, V = cfg.d_model, cfg.vocab_size
+  specs: dict[str, Any] = {
+      "embed": ParamSpec((V, D), ("vocab", "embed")),
+      "final_norm": ParamSpec((D,), ("norm",), "ones"),
+      "lm_head": ParamSpec((D, V), ("embed", "vocab")),
+  }
+  if cfg.n_dense_layers:
+    specs["dense_layers"] = _layer_specs(cfg, cfg.n_dense_layers, moe=False)
+  if cfg.n_moe_layers:
+    specs["moe_layers"] = _layer_specs(cfg, cfg.n_moe_layers, moe=True)
+  return specs
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, ParamSpec)
+
+
+def leaf_dtype(path: tuple[str, ...], dtype) -> jnp.dtype:
+  return jnp.dtype(jnp.float32) if path[-1] in FP32_PARAMS else jnp.dtype(dtype)
+
+
+def _keys(path) -> tuple[str, ...]:
+  return tuple(p.key for p in path)
+
+
+def abstract_params(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict[str, Any]:
+  """ShapeDtypeStruct tree: the params without materialising anything."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, s: jax.ShapeDtypeStruct(s.shape, leaf_dtype(_keys(p), dtype)), param_specs(cfg), is_leaf=_is_spec)
+
+
+def logical_axes(cfg: ModelConfig) -> dict[str, Any]:
+  """Tree of logical axis-name tuples, parallel to the params (for sharding rules)."""
+  return jax.tree_util.tree_map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+  """Total parameters, and those touched per token (top-k experts instead of all)."""
+  tree = abstract_params(cfg)
+  total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(tree))
+  experts = tree.get("moe_layers", {}).get("experts", {})
+  expert_total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(experts))
+  active = total - expert_total
+  if cfg.n_moe_layers:
+    active += expert_total * cfg.n_experts_per_tok // cfg.n_experts
+  # The embedding table is a lookup, not a matmul: exclude it from the active count, as the papers do.
+  active -= cfg.vocab_size * cfg.d_model
+  return {"total": total, "active": active}
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32) -> dict[str, Any]:
+  """Random params (fan-in scaled normals, unit norms) for tests and training from scratch."""
+  specs = param_specs(cfg)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+  keys = jax.random.split(key, len(flat))
+  out = []
+  for (path, spec), k in zip(flat, keys):
+    dt = leaf_dtype(_keys(path), dtype)
+    if spec.init == "ones":
+      out.append(jnp.ones(spec.shape, dt))
+    elif spec.init == "zeros":
+      out.append(jnp.zeros(spec.shape, dt))
+    else:
+      fan_in = _fan_in(_keys(path), spec, cfg)
+      out.append((jax.random.normal(k, spec.shape, jnp.float32) / np.sqrt(fan_in)).astype(dt))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _fan_in(path, spec: ParamSpec, cfg: ModelConfig) -> int:
+  name = path[-1]
+  if name == "embed":
+    return 1
+  if name == "o":
+    return cfg.n_heads * cfg.head_dim
+  if name in ("q", "k", "v", "router", "lm_head", "gate", "up"):
+    return cfg.d_model
+  if name == "down":
+    return spec.shape[-2]
+  return spec.shape[-1]

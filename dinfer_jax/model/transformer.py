@@ -1,0 +1,127 @@
+"""The pure forward pass: embed -> lax.scan over stacked layers -> final norm -> fp32 logits.
+
+One function serves every forward the engine needs (model.md §4):
+- full forward (no cache): keys are the T inputs; returns their K/V (a cache refresh);
+- slice forward: the T inputs sit at canvas positions [cache_start, cache_start + T); their fresh K/V
+  replace the cached ones there (where write_mask allows) and attention runs over all S cached keys.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.cache import KVCache
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.model import moe as moe_lib
+from dinfer_jax.model.attention import attention, mask_bias
+from dinfer_jax.model.layers import rms_norm, rope, swiglu
+from dinfer_jax.sharding import shard
+
+
+class ForwardOut(NamedTuple):
+  logits: jax.Array  # [B, T', V] fp32
+  kv: KVCache  # [n_layers, B, S, K, H]: the keys/values this forward attended to
+
+
+def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, bias, cache_start, write_mask, moe_impl):
+  """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None."""
+  dt = x.dtype
+  h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+  q = jnp.einsum("BTD,DNH->BTNH", h, lp["q"].astype(dt))
+  k = jnp.einsum("BTD,DKH->BTKH", h, lp["k"].astype(dt))
+  v = jnp.einsum("BTD,DKH->BTKH", h, lp["v"].astype(dt))
+  if cfg.qk_norm:
+    # Per-head norm with a [H] weight shared by all heads, before RoPE (not OLMoE's whole-projection norm).
+    q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
+    k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
+  q = rope(q, positions, theta=cfg.rope_theta, rot_dim=cfg.rope_dim)
+  k = rope(k, positions, theta=cfg.rope_theta, rot_dim=cfg.rope_dim)
+  q = shard(q, ("act_batch", "act_len", "q_heads", "head_dim"))
+  if kv_in is None:
+    keys, vals = k, v
+  else:
+    ck, cv = kv_in
+    T = x.shape[1]
+    if write_mask is not None:
+      # Positions outside the write mask keep the cached K/V: the engine runs fixed-width windows and
+      # this keeps the attended key set identical to dInfer's variable-width one.
+      wm = write_mask[:, :, None, None]
+      k = jnp.where(wm, k, jax.lax.dynamic_slice_in_dim(ck, cache_start, T, axis=1).astype(dt))
+      v = jnp.where(wm, v, jax.lax.dynamic_slice_in_dim(cv, cache_start, T, axis=1).astype(dt))
+    keys = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_start, axis=1).astype(dt)
+    vals = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_start, axis=1).astype(dt)
+  a = attention(q, keys, vals, bias)
+  x = x + jnp.einsum("BTNH,NHD->BTD", a, lp["o"].astype(dt))
+  h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
+  if moe:
+    y = moe_lib.moe_ffn(h, lp, cfg, moe_impl)
+  else:
+    y = swiglu(h, lp["mlp"]["gate"], lp["mlp"]["up"], lp["mlp"]["down"])
+  x = shard(x + y, ("act_batch", "act_len", "act_embed"))
+  return x, (keys, vals)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
+            positions: jax.Array | None = None, embeds: jax.Array | None = None,
+            mask: jax.Array | None = None, cache: KVCache | None = None,
+            cache_start: jax.Array | int | None = None, write_mask: jax.Array | None = None,
+            logits_start: jax.Array | int = 0, logits_len: int | None = None,
+            moe_impl: str | None = None) -> ForwardOut:
+  """Pure forward.
+
+  Args:
+    params: the param tree (model/params.py).
+    tokens: [B, T] int token ids, or None when `embeds` [B, T, D] is given (iteration smoothing).
+    positions: [B, T] absolute RoPE positions (default arange(T) per row).
+    mask: None (full bidirectional), [B, S] key validity or [B, T, S] per-query mask; True = may attend.
+    cache: KVCache [n_layers, B, S, K, H] to attend to; None for a full forward (then S = T).
+    cache_start: canvas index of the first input position in the cache (scalar, may be traced).
+    write_mask: [B, T] bool; inputs whose fresh K/V replace the cached ones (default: all).
+    logits_start, logits_len: compute logits only for inputs [start, start + len) (the LM head is the
+      largest matmul at V=157k; the engine only needs the block's logits).
+    moe_impl: override cfg.moe_impl for this call ("dense", "ragged", "loop").
+  Returns:
+    ForwardOut(logits [B, T', V] fp32, kv of every layer [n_layers, B, S, K, H]).
+  """
+  if embeds is None:
+    if tokens is None:
+      raise ValueError("forward: pass token ids or input embeddings")
+    x = jnp.take(params["embed"], tokens, axis=0)
+  else:
+    x = embeds
+  dt = params["embed"].dtype
+  x = x.astype(dt)
+  B, T = x.shape[:2]
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  if cache is not None and cache_start is None:
+    raise ValueError("forward: a cache needs cache_start")
+  bias = mask_bias(mask, T)
+  x = shard(x, ("act_batch", "act_len", "act_embed"))
+
+  ks, vs = [], []
+  start = 0
+  for name, n, is_moe in (("dense_layers", cfg.n_dense_layers, False), ("moe_layers", cfg.n_moe_layers, True)):
+    if n == 0:
+      continue
+    kv_in = None if cache is None else (cache.k[start:start + n], cache.v[start:start + n])
+    body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, bias=bias,
+                             cache_start=cache_start, write_mask=write_mask, moe_impl=moe_impl)
+    if kv_in is None:
+      x, (k, v) = jax.lax.scan(lambda c, lp: body(c, lp, None), x, params[name])
+    else:
+      x, (k, v) = jax.lax.scan(lambda c, xs: body(c, xs[0], xs[1]), x, (params[name], kv_in))
+    ks.append(k)
+    vs.append(v)
+    start += n
+  kv = KVCache(k=jnp.concatenate(ks) if len(ks) > 1 else ks[0], v=jnp.concatenate(vs) if len(vs) > 1 else vs[0])
+
+  x = rms_norm(x, params["final_norm"], cfg.rms_eps)
+  if logits_len is not None:
+    x = jax.lax.dynamic_slice_in_dim(x, logits_start, logits_len, axis=1)
+  # Logits in fp32: decoding confidences and thresholds are computed from them.
+  logits = jnp.einsum("BTD,DV->BTV", x, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+  return ForwardOut(logits=shard(logits, ("act_batch", "act_len", "vocab")), kv=kv)
