@@ -1,0 +1,59 @@
+"""Iteration manager: the per-forward schedules that sit between the model and the decoder.
+
+- Iteration smoothing (dInfer's IterationSmooth): masked positions are fed back as
+  E[MASK] + w_n * softmax(z) @ E, with w_n = min(0.15 + 0.02 n, cont_weight) and the decoder's threshold
+  relaxed from 1 as tau_n = max(1 - 0.02 n, threshold); n counts the row's forwards so far.
+- The vicinity window of the cached step: [s - prefix_look, e + after_look).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.engine.config import (SMOOTH_THRESHOLD_DECAY, SMOOTH_WEIGHT_GROWTH, SMOOTH_WEIGHT_INIT,
+                                      GenerationConfig)
+
+
+def smooth_weight(n: jax.Array, gcfg: GenerationConfig) -> jax.Array:
+  """w_n per row; n [B] int."""
+  return jnp.minimum(SMOOTH_WEIGHT_INIT + SMOOTH_WEIGHT_GROWTH * n.astype(jnp.float32), gcfg.cont_weight)
+
+
+def step_threshold(n: jax.Array, gcfg: GenerationConfig) -> jax.Array:
+  """The threshold the decoder uses at a row's forward n: tau_n with smoothing, else the configured one."""
+  if not gcfg.smoothing:
+    return jnp.full(n.shape, gcfg.threshold, jnp.float32)
+  return jnp.maximum(1.0 - SMOOTH_THRESHOLD_DECAY * n.astype(jnp.float32), gcfg.threshold)
+
+
+def soft_embed(table: jax.Array, tokens: jax.Array, logits: jax.Array, masked: jax.Array,
+               weight: jax.Array) -> jax.Array:
+  """E[x] plus, at still-masked positions, w * softmax(z) @ E (additive: the MASK embedding keeps weight 1).
+
+  Args:
+    table: [V, D] input embedding. tokens [B, W]; logits [B, W, V] fp32; masked [B, W]; weight [B].
+  Returns: [B, W, D] in the table's dtype.
+  """
+  base = jnp.take(table, tokens, axis=0)
+  p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  soft = jnp.einsum("BWV,VD->BWD", p.astype(table.dtype), table, preferred_element_type=jnp.float32)
+  add = jnp.where(masked[..., None], weight[:, None, None] * soft, 0.0)
+  return (base.astype(jnp.float32) + add).astype(table.dtype)
+
+
+def cached_window(s: jax.Array, *, gcfg: GenerationConfig, first_block: int, canvas_len: int,
+                  width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Where the cached forward reads and which positions it refreshes.
+
+  Returns (c0, lo, hi): the fixed-width input window starts at canvas index c0; fresh K/V are written for
+  positions in [lo, hi) only. dInfer's window [max(0, s-pl), min(T, e+al)) changes width at the canvas
+  edges; a fixed width keeps one compiled shape, and writing only [lo, hi) keeps the attended keys equal.
+  """
+  B = gcfg.block_length
+  if gcfg.cache == "prefix":
+    # Block and everything after it, recomputed each step; the window starts at the first block.
+    return jnp.asarray(first_block, jnp.int32), s, jnp.asarray(canvas_len, jnp.int32)
+  lo = s - gcfg.prefix_look
+  hi = s + B + gcfg.after_look
+  c0 = jnp.clip(lo, 0, canvas_len - width)
+  return c0.astype(jnp.int32), lo, hi

@@ -1,0 +1,266 @@
+"""The whole denoising loop as one XLA program: blocks and steps under nested lax.while_loops.
+
+Per iteration every active row takes one forward chosen by the cache manager (cache.row_phase): a full
+canvas forward (no cache, warm-up, or block-entry refresh) or a cached window forward. Each kind runs at
+most once per iteration, batched over the rows that need it, under lax.cond so an iteration where no row
+needs a kind skips it. The decoder then commits tokens per row; rows that are waiting for others (their
+block is done) take no part: their tokens, counters and decoder state stay frozen, so every row behaves
+exactly as if it ran alone.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax import cache as cache_lib
+from dinfer_jax.cache import CACHED, FULL, REFRESH, KVCache
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.engine import iteration
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine.layout import Grid
+from dinfer_jax.model.transformer import forward
+
+
+def _where_rows(rows: jax.Array, new, old):
+  """Per-row select over a pytree whose leaves have a leading batch axis."""
+  def sel(a, b):
+    return jnp.where(rows.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+  return jax.tree_util.tree_map(sel, new, old)
+
+
+def _decode_rows(decoder, state, logits, tokens, maskable, thr, keys, *, mask_id, temperature):
+  """Runs the decoder row by row (vmap of batch-1 calls), so each row can have its own threshold (the
+  smoothing schedule is per row) and its own decoder state."""
+  def one(st, lg, tk, mk, th, key):
+    nt, cm, ns = decoder.step(st, lg[None], tk[None], mk[None], mask_id=mask_id, threshold=th,
+                              temperature=temperature, rng=key)
+    return nt[0], cm[0], ns
+  return jax.vmap(one)(state, logits, tokens, maskable, thr, keys)
+
+
+def _init_rows(decoder, tokens, maskable):
+  return jax.vmap(lambda tk, mk: decoder.init_state(tk[None], mk[None]))(tokens, maskable)
+
+
+def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array, seed: jax.Array, *,
+        mcfg: ModelConfig, gcfg: GenerationConfig, grid: Grid, decoder: Any, mode: str,
+        block_causal: bool, mask_id: int, eos_id: int) -> dict[str, jax.Array]:
+  """The jitted body (see engine.generate for the host side).
+
+  Args:
+    canvas [B, Tc] int32, valid [B, Tc] bool, positions [B, Tc] int32: from layout.make_layout.
+    seed: a PRNG key.
+    mode: "none" | "prefix" | "dual" | "block_diffusion".
+    block_causal: full forwards use LLaDA2's block-causal mask (block diffusion without a cache).
+  Returns: dict with canvas [B, Tc], commit [B, Tc] (1-based forward index of the row, -1 never),
+    row_nfe [B], nfe [] (forwards executed by the call), full/cached forward counts.
+  """
+  Bsz, Tc = canvas.shape
+  L, C, W = grid.block_len, grid.first_block, grid.window
+  smoothing = gcfg.smoothing
+  cached_mode = mode in ("prefix", "dual", "block_diffusion")
+  table = params["embed"]
+  col = jnp.arange(Tc)
+  warmup = gcfg.warmup_steps if gcfg.vicinity else 0
+  row_keys = jax.vmap(lambda r: jax.random.fold_in(seed, r))(jnp.arange(Bsz))
+
+  st: dict[str, Any] = {
+      "canvas": canvas,
+      "commit": jnp.full((Bsz, Tc), -1, jnp.int32),
+      "n": jnp.zeros((Bsz,), jnp.int32),
+      "nfe": jnp.zeros((), jnp.int32),
+      "n_full": jnp.zeros((), jnp.int32),
+      "n_cached": jnp.zeros((), jnp.int32),
+      "done": ~valid.any(axis=1),
+      "block": jnp.zeros((), jnp.int32),
+  }
+  if smoothing:
+    st["emb"] = jnp.take(table, canvas, axis=0)
+  if cached_mode:
+    st["cache"] = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, table.dtype)
+
+  blk_of = col // L  # canvas blocks; block diffusion keeps pads whole blocks, so these are position blocks
+  if mode == "block_diffusion":
+    # Prefill the prompt's blocks with the block-causal mask (dInfer's BlockDiffusionRunner.prefill).
+    P = grid.prefill_len
+    bc = (blk_of[None, :P, None] >= blk_of[None, None, :P]) & valid[:, None, :P]
+    out = forward(params, mcfg, canvas[:, :P], positions=positions[:, :P], mask=bc)
+    st["cache"] = KVCache(k=st["cache"].k.at[:, :, :P].set(out.kv.k), v=st["cache"].v.at[:, :, :P].set(out.kv.v))
+    st["nfe"] = st["nfe"] + 1
+    st["n"] = st["n"] + 1
+
+  if block_causal:
+    full_mask = (blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]
+  else:
+    full_mask = valid
+
+  def full_forward(st, s, rows_refresh):
+    """Whole-canvas forward; refresh rows take its K/V into their cache."""
+    inp = {"embeds": st["emb"]} if smoothing else {"tokens": st["canvas"]}
+    lg = {} if smoothing else {"logits_start": s, "logits_len": L}
+    out = forward(params, mcfg, positions=positions, mask=full_mask, **inp, **lg)
+    new_cache = cache_lib.select_rows(rows_refresh, out.kv, st["cache"]) if cached_mode else None
+    return out.logits, new_cache
+
+  def cached_forward(st, s, rows_persist):
+    """Window forward over the cache; block diffusion persists the fresh K/V of its rows."""
+    if mode == "block_diffusion":
+      c0, lo, hi = s, s, s + L
+      key_mask = valid & (col[None, :] < s + L)  # the cache holds exactly the positions before the block end
+    else:
+      c0, lo, hi = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W)
+      key_mask = valid
+    wcol = c0 + jnp.arange(W)
+    write = jnp.broadcast_to(((wcol >= lo) & (wcol < hi))[None, :], (Bsz, W))
+    if smoothing:
+      inp = {"embeds": jax.lax.dynamic_slice_in_dim(st["emb"], c0, W, axis=1)}
+      lg = {}
+    else:
+      inp = {"tokens": jax.lax.dynamic_slice_in_dim(st["canvas"], c0, W, axis=1)}
+      lg = {"logits_start": s - c0, "logits_len": L}
+    out = forward(params, mcfg, positions=jax.lax.dynamic_slice_in_dim(positions, c0, W, axis=1), mask=key_mask,
+                  cache=st["cache"], cache_start=c0, write_mask=write, **inp, **lg)
+    new_cache = st["cache"]
+    if mode == "block_diffusion":
+      new_cache = cache_lib.select_rows(rows_persist, out.kv, st["cache"])
+    return out.logits, new_cache, c0, write
+
+  def block_body(st):
+    s = C + st["block"] * L
+    blk = lambda a: jax.lax.dynamic_slice_in_dim(a, s, L, axis=1)
+    maskable = blk(valid) & ~st["done"][:, None]
+    bst = dict(st)
+    bst["dec"] = _init_rows(decoder, blk(st["canvas"]), maskable)
+    bst["refreshed"] = jnp.zeros((Bsz,), bool)
+    bst["forced"] = jnp.zeros((Bsz,), bool)  # the cached step owed after a refresh, even if nothing is left
+    bst["final"] = jnp.zeros((Bsz,), bool)  # block diffusion's clean-K/V forward after the last commit
+
+    def has_masks(cv):
+      return (blk(cv) == mask_id).any(axis=1) & ~st["done"]
+
+    def step_cond(b):
+      return (has_masks(b["canvas"]) | b["forced"] | b["final"]).any()
+
+    def step_body(b):
+      masks_before = has_masks(b["canvas"])
+      active = masks_before | b["forced"] | b["final"]
+      phase = cache_lib.row_phase(cache_mode=mode, vicinity_warmup=warmup, n=b["n"], refreshed=b["refreshed"])
+      use_full = active & ((phase == FULL) | (phase == REFRESH))
+      use_cached = active & (phase == CACHED)
+      refresh_rows = active & (phase == REFRESH)
+      nb = dict(b)
+
+      V = mcfg.vocab_size
+      full_shape = (Bsz, Tc if smoothing else L, V)
+      if mode == "block_diffusion":
+        full_logits = jnp.zeros(full_shape, jnp.float32)
+      else:
+        def do_full(b):
+          lg, cache = full_forward(b, s, refresh_rows)
+          return lg, cache
+        def skip_full(b):
+          return jnp.zeros(full_shape, jnp.float32), b.get("cache")
+        full_logits, cache_after = jax.lax.cond(use_full.any(), do_full, skip_full, b)
+        if cached_mode:
+          nb["cache"] = cache_after
+
+      if cached_mode:
+        win_shape = (Bsz, W if smoothing else L, V)
+        def do_cached(b):
+          return cached_forward(b, s, use_cached)
+        def skip_cached(b):
+          c0, _, _ = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W) \
+              if mode != "block_diffusion" else (s, s, s + L)
+          return (jnp.zeros(win_shape, jnp.float32), b["cache"], jnp.asarray(c0, jnp.int32),
+                  jnp.zeros((Bsz, W), bool))
+        # The cached forward reads the cache as refreshed by this iteration's full forward (a refreshing
+        # row is never cached in the same iteration, so that read only matters for other rows: unchanged).
+        cached_logits, cache_after, c0, write = jax.lax.cond(use_cached.any(), do_cached, skip_cached, nb)
+        nb["cache"] = cache_after
+      else:
+        cached_logits, c0, write = None, None, None
+
+      # The block's logits per row, from whichever forward the row took.
+      if smoothing:
+        full_blk = jax.lax.dynamic_slice_in_dim(full_logits, s, L, axis=1)
+        cached_blk = None if cached_logits is None else jax.lax.dynamic_slice_in_dim(cached_logits, s - c0, L, axis=1)
+      else:
+        full_blk, cached_blk = full_logits, cached_logits
+      logits = full_blk if cached_blk is None else jnp.where(use_full[:, None, None], full_blk, cached_blk)
+
+      thr = iteration.step_threshold(b["n"], gcfg)
+      keys = jax.vmap(jax.random.fold_in)(row_keys, b["n"])
+      tokens = blk(b["canvas"])
+      new_tokens, committed, new_dec = _decode_rows(decoder, b["dec"], logits, tokens, maskable, thr, keys,
+                                                    mask_id=mask_id, temperature=gcfg.temperature)
+      committed = committed & active[:, None]
+      new_tokens = jnp.where(active[:, None], new_tokens, tokens)
+      nb["dec"] = _where_rows(active, new_dec, b["dec"])
+      nb["canvas"] = jax.lax.dynamic_update_slice_in_dim(b["canvas"], new_tokens, s, axis=1)
+      step_idx = b["n"] + 1  # this forward's 1-based index for the row
+      commit_blk = jnp.where(committed, step_idx[:, None], blk(b["commit"]))
+      nb["commit"] = jax.lax.dynamic_update_slice_in_dim(b["commit"], commit_blk, s, axis=1)
+
+      if smoothing:
+        w = iteration.smooth_weight(b["n"], gcfg)
+        masked_now = nb["canvas"] == mask_id
+        if mode != "block_diffusion":
+          soft_full = iteration.soft_embed(table, nb["canvas"], full_logits, masked_now, w)
+          emb = jnp.where(use_full[:, None, None], soft_full, b["emb"])
+        else:
+          emb = b["emb"]
+        if cached_mode:
+          wtok = jax.lax.dynamic_slice_in_dim(nb["canvas"], c0, W, axis=1)
+          soft_win = iteration.soft_embed(table, wtok, cached_logits, wtok == mask_id, w)
+          old_win = jax.lax.dynamic_slice_in_dim(emb, c0, W, axis=1)
+          upd = use_cached[:, None, None] & write[:, :, None]
+          emb = jax.lax.dynamic_update_slice_in_dim(emb, jnp.where(upd, soft_win, old_win), c0, axis=1)
+        nb["emb"] = emb
+
+      nb["n"] = b["n"] + active.astype(jnp.int32)
+      ran_full = use_full.any().astype(jnp.int32)
+      ran_cached = use_cached.any().astype(jnp.int32)
+      nb["nfe"] = b["nfe"] + ran_full + ran_cached
+      nb["n_full"] = b["n_full"] + ran_full
+      nb["n_cached"] = b["n_cached"] + ran_cached
+      nb["refreshed"] = b["refreshed"] | refresh_rows
+      nb["forced"] = jnp.where(refresh_rows, True, jnp.where(use_cached, False, b["forced"]))
+      if mode == "block_diffusion":
+        masks_after = has_masks(nb["canvas"])
+        nb["final"] = jnp.where(active & masks_before & ~masks_after, True,
+                                jnp.where(active & ~masks_before, False, b["final"]))
+      return nb
+
+    bst = jax.lax.while_loop(step_cond, step_body, bst)
+    out = {k: bst[k] for k in st}
+    # Early stop: an EOS anywhere in the finished block fills the rest of the row with EOS and ends it.
+    cv = out["canvas"]
+    has_eos = (blk(cv) == eos_id).any(axis=1) & blk(valid).any(axis=1) & ~st["done"]
+    if gcfg.early_stop:
+      fill = has_eos[:, None] & (col[None, :] >= s + L) & valid
+      out["canvas"] = jnp.where(fill, eos_id, cv)
+      out["done"] = st["done"] | has_eos
+    out["block"] = st["block"] + 1
+    return out
+
+  def block_cond(st):
+    return (st["block"] < grid.num_blocks) & ~st["done"].all()
+
+  st = jax.lax.while_loop(block_cond, block_body, st)
+  return {"canvas": st["canvas"], "commit": st["commit"], "row_nfe": st["n"], "nfe": st["nfe"],
+          "n_full": st["n_full"], "n_cached": st["n_cached"]}
+
+
+STATIC = ("mcfg", "gcfg", "grid", "decoder", "mode", "block_causal", "mask_id", "eos_id")
+
+
+@functools.cache
+def run_jit():
+  """The compiled entry point. The canvas buffer is rebuilt on the host for every call and the result has
+  its shape: donating it lets XLA write the output canvas in place instead of allocating a second [B, Tc]
+  buffer. (CPU ignores donation and would warn, so only accelerators donate.)"""
+  donate = (1,) if jax.default_backend() != "cpu" else ()
+  return jax.jit(run, static_argnames=STATIC, donate_argnums=donate)
