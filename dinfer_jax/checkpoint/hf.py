@@ -1,0 +1,137 @@
+"""Reading HF checkpoints into the param tree, leaf by leaf."""
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from dinfer_jax.checkpoint import keymap
+from dinfer_jax.checkpoint.converted import CONFIG_NAME, LazyArray, leaf_dtype, norm_dtype, read_config_file
+from dinfer_jax.checkpoint.errors import CheckpointError
+from dinfer_jax.checkpoint.safetensors_io import FLOAT_CODES, INDEX_NAME, SINGLE_NAME, WeightSet, dtype_name
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.model.params import abstract_params
+
+
+def is_hf_checkpoint(path: os.PathLike) -> bool:
+  """A directory with config.json and model.safetensors or a safetensors index (contents not checked)."""
+  p = pathlib.Path(path)
+  return (p / CONFIG_NAME).is_file() and ((p / INDEX_NAME).is_file() or (p / SINGLE_NAME).is_file())
+
+
+def read_hf_config(path: os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+  """(ModelConfig, raw config.json dict). Raises CheckpointError (missing/bad file) or ConfigError."""
+  p = pathlib.Path(path)
+  if not p.is_dir():
+    raise CheckpointError(f"{p}: not a directory")
+  return read_config_file(p)
+
+
+class HFCheckpoint:
+  """An opened and fully validated HF checkpoint: config, tensor headers, layout and key plan.
+
+  Opening reads only headers; it fails (CheckpointError naming key/file/shapes) on any unmapped, missing,
+  mis-shaped or non-float tensor before a single weight byte is read.
+  """
+
+  def __init__(self, path: os.PathLike, cfg: ModelConfig | None = None):
+    self.dir = pathlib.Path(path)
+    self.cfg, self.raw_config = read_hf_config(self.dir)
+    if cfg is not None:
+      self.cfg = cfg
+    self.weights = WeightSet(self.dir)
+    keys = [k for k in self.weights.keys() if not keymap.is_ignored(k)]
+    self.layout = keymap.detect_layout(self.cfg.family, keys)
+    self.entries = keymap.plan(self.cfg, self.layout)
+    self._validate(keys)
+    self.by_leaf = keymap.group_by_leaf(self.entries)
+
+  def _validate(self, keys: list[str]) -> None:
+    expected = {e.key: e for e in self.entries}
+    extra = [k for k in keys if k not in expected]
+    if extra:
+      t = self.weights[extra[0]]
+      more = f" ({len(extra)} unmapped tensors in all)" if len(extra) > 1 else ""
+      raise CheckpointError(f"unmapped tensor {t.name!r} {t.shape} in {t.file.name}: "
+                            f"{keymap.explain_unmapped(self.cfg, self.layout, t.name)}{more}")
+    missing = [k for k in expected if k not in self.weights]
+    if missing:
+      more = f" ({len(missing)} missing tensors in all)" if len(missing) > 1 else ""
+      raise CheckpointError(f"missing tensor {missing[0]!r} (expected shape {expected[missing[0]].hf_shape}) "
+                            f"in {self.dir}{more}")
+    for k, e in expected.items():
+      t = self.weights[k]
+      if t.shape != e.hf_shape:
+        raise CheckpointError(f"tensor {k!r} in {t.file.name} has shape {t.shape}, expected {e.hf_shape}")
+      if t.dtype not in FLOAT_CODES:
+        raise CheckpointError(f"tensor {k!r} in {t.file.name} has dtype {t.dtype} ({dtype_name(t.dtype)}); "
+                              f"weights must be one of {', '.join(FLOAT_CODES)}")
+
+  @property
+  def source_dtype(self) -> str:
+    """The dtype holding most weight bytes (the fp32 router bias does not count)."""
+    by = collections.Counter()
+    for e in self.entries:
+      t = self.weights[e.key]
+      if not keymap.is_fp32_key(e.key):
+        by[t.dtype] += t.nbytes
+    return dtype_name(by.most_common(1)[0][0]) if by else "float32"
+
+  def build_leaf(self, path: tuple[str, ...], dtype) -> np.ndarray:
+    """Allocates one param leaf and fills it HF tensor by HF tensor, casting on the copy."""
+    shape = tuple(self._shapes()[path])
+    out = np.empty(shape, leaf_dtype(path, dtype))
+    for entry, j in self.by_leaf[path]:
+      x = self.weights.read(entry.key)
+      out[entry.pieces[j].index] = entry.to_jax(x)[j]
+      del x  # unmaps the tensor: its pages leave the resident set
+    return out
+
+  def _shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+    if not hasattr(self, "_shape_cache"):
+      flat = jax.tree_util.tree_flatten_with_path(abstract_params(self.cfg))[0]
+      self._shape_cache = {tuple(k.key for k in p): tuple(x.shape) for p, x in flat}
+    return self._shape_cache
+
+  def lazy_params(self, dtype) -> dict[str, Any]:
+    """The param tree with LazyArray leaves: nothing is read until a leaf is materialised."""
+    dtype = norm_dtype(dtype)
+
+    def make(path, x):
+      p = tuple(k.key for k in path)
+      return LazyArray(x.shape, x.dtype, lambda: self.build_leaf(p, dtype), ".".join(p))
+
+    return jax.tree_util.tree_map_with_path(make, abstract_params(self.cfg, dtype))
+
+
+def load_hf_params(path: os.PathLike, cfg: ModelConfig | None = None, dtype="bfloat16", *,
+                   shardings=None) -> dict[str, Any]:
+  """Reads an HF checkpoint (either expert layout) into the param tree.
+
+  Args:
+    path: HF checkpoint directory (config.json + model.safetensors or a sharded index).
+    cfg: the config to map for; default: parsed from config.json.
+    dtype: weight dtype of the result ('bfloat16' or 'float32'; expert_bias stays fp32).
+    shardings: optional tree of jax.sharding.Sharding (or one Sharding) parallel to the params: each leaf
+      is placed with jax.device_put as soon as it is built and the host copy dropped.
+
+  Returns:
+    The tree of abstract_params(cfg, dtype): numpy arrays, or jax arrays when shardings are given.
+  """
+  ck = HFCheckpoint(path, cfg)
+  dtype = norm_dtype(dtype)
+  abstract = abstract_params(ck.cfg, dtype)
+  if shardings is not None and isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree_util.tree_map(lambda _: shardings, abstract)
+
+  def one(path, x, *s):
+    arr = ck.build_leaf(tuple(k.key for k in path), dtype)
+    return jax.device_put(arr, s[0]) if s else arr
+
+  if shardings is None:
+    return jax.tree_util.tree_map_with_path(one, abstract)
+  return jax.tree_util.tree_map_with_path(one, abstract, shardings)

@@ -1,0 +1,115 @@
+"""The conversions: hf2jax, jax2hf and inspect."""
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from typing import Any
+
+import numpy as np
+
+from dinfer_jax.checkpoint import keymap
+from dinfer_jax.checkpoint.converted import (
+    PARAMS_DIR, atomic_dir, copy_aux_files, is_converted_checkpoint, norm_dtype, orbax_metadata, read_config_file,
+    read_meta, restore_leaves_numpy, save_converted, write_config)
+from dinfer_jax.checkpoint.errors import CheckpointError
+from dinfer_jax.checkpoint.hf import HFCheckpoint, is_hf_checkpoint
+from dinfer_jax.checkpoint.safetensors_io import INDEX_NAME, OutTensor, WeightSet, dtype_name, write_checkpoint
+
+# HF's usual shard size: small enough for hub uploads, large enough to keep the file count low.
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+def _du(path: pathlib.Path) -> int:
+  return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: bool = False) -> dict[str, Any]:
+  """HF checkpoint directory -> converted checkpoint directory (see converted.py for the layout).
+
+  The whole HF checkpoint is validated from its headers first; then each param leaf is built from its HF
+  tensors, written by orbax and dropped before the next, so peak host memory is about one stacked leaf plus
+  the HF tensor being copied (convert/measure_memory.py measures it).
+
+  Returns:
+    Summary: tensors, n_params, bytes (param bytes in the target dtype), disk_bytes, layout, dtype,
+    source_dtype, family, seconds.
+  """
+  t0 = time.time()
+  dtype = norm_dtype(dtype)
+  ck = HFCheckpoint(src)
+  out = save_converted(dst, ck.lazy_params(dtype), ck.raw_config, src_dir_for_tokenizer=src, layout=ck.layout,
+                       overwrite=overwrite, source_dtype=ck.source_dtype)
+  return {"tensors": len(ck.entries), "n_params": out["n_params"], "bytes": out["bytes"],
+          "disk_bytes": _du(pathlib.Path(dst)), "layout": ck.layout, "dtype": dtype.name,
+          "source_dtype": ck.source_dtype, "family": ck.cfg.family, "seconds": time.time() - t0}
+
+
+def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None = None, overwrite: bool = False,
+           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+  """Converted checkpoint -> HF safetensors directory (shards + model.safetensors.index.json).
+
+  Args:
+    src: converted checkpoint directory.
+    dst: output directory; must not exist unless overwrite.
+    dtype: output weight dtype; default the HF source's dtype recorded at conversion (dinfer_jax.json
+      source_dtype). expert_bias is always written fp32. bf16 -> bf16 and bf16 -> f32 -> bf16 are bit-exact.
+    layout: 'per_expert' or 'fused' expert tensors; default the source's layout. config.json is written back
+      verbatim either way (dInfer's fused loader reads the same config).
+    overwrite: replace an existing dst.
+    max_shard_bytes: start a new shard file past this size.
+
+  Leaves are restored from orbax a few at a time (those one group of HF tensors needs), so peak memory is
+  about the largest such group (one leaf; gate+up for fused w13) plus one HF tensor.
+  """
+  t0 = time.time()
+  src = pathlib.Path(src)
+  meta = read_meta(src)
+  cfg, raw = read_config_file(src)
+  layout = layout or meta.get("source_layout", "per_expert")
+  out_dtype = norm_dtype(dtype if dtype is not None else meta.get("source_dtype") or meta["dtype"])
+  entries = keymap.plan(cfg, layout)
+
+  # Group HF tensors by the set of leaves they read, in first-use order, so each leaf is restored once.
+  groups: dict[tuple[tuple[str, ...], ...], list[keymap.Entry]] = {}
+  for e in entries:
+    groups.setdefault(tuple(sorted({p.path for p in e.pieces})), []).append(e)
+  ordered = [e for g in groups.values() for e in g]
+  by_key = {e.key: e for e in ordered}
+  tensors = [OutTensor(e.key, keymap.hf_dtype(e.key, out_dtype), e.hf_shape) for e in ordered]
+  cache: dict[str, Any] = {"need": None, "leaves": {}}
+
+  def produce(t: OutTensor) -> np.ndarray:
+    e = by_key[t.name]
+    need = tuple(sorted({p.path for p in e.pieces}))
+    if cache["need"] != need:
+      cache["leaves"] = {}  # drop the previous group before reading the next
+      cache["leaves"] = restore_leaves_numpy(src, list(need))
+      cache["need"] = need
+    pieces = [cache["leaves"][p.path][p.index] for p in e.pieces]
+    return np.ascontiguousarray(e.to_hf(pieces), dtype=t.dtype)
+
+  with atomic_dir(dst, overwrite) as tmp:
+    write_config(tmp, raw, src)
+    copy_aux_files(src, tmp)
+    weight_map = write_checkpoint(tmp, tensors, produce, max_shard_bytes=max_shard_bytes)
+    cache["leaves"] = {}
+  return {"tensors": len(tensors), "files": len(set(weight_map.values())),
+          "n_params": sum(int(np.prod(t.shape)) for t in tensors), "bytes": sum(t.nbytes for t in tensors),
+          "layout": layout, "dtype": out_dtype.name, "family": cfg.family, "seconds": time.time() - t0}
+
+
+def inspect(path: os.PathLike) -> list[tuple[str, tuple[int, ...], str]]:
+  """[(name, shape, dtype name)] of either format: HF keys (sorted) or param leaf paths (dotted)."""
+  p = pathlib.Path(path)
+  if is_converted_checkpoint(p):
+    read_meta(p)
+    return [(".".join(k), tuple(m.shape), np.dtype(m.dtype).name) for k, m in orbax_metadata(p).items()]
+  if (p / INDEX_NAME).is_file() or (p / "model.safetensors").is_file():
+    ws = WeightSet(p)
+    return [(k, ws[k].shape, dtype_name(ws[k].dtype)) for k in sorted(ws.keys())]
+  raise CheckpointError(f"{p}: neither an HF checkpoint (model.safetensors or {INDEX_NAME}) "
+                        f"nor a converted one (dinfer_jax.json + {PARAMS_DIR}/)")
+
+
+__all__ = ["hf2jax", "jax2hf", "inspect", "is_hf_checkpoint"]
