@@ -44,7 +44,7 @@ def count_generated(generated: Sequence[int], eos_id: int) -> int:
   return len(generated)
 
 
-def decoder_for(gcfg: GenerationConfig):
+def decoder_for(gcfg: GenerationConfig, vocab_size: int):
   """The decoder policy object (static in the compiled program) for a generation config."""
   if gcfg.decoder == "threshold":
     return decoders.ThresholdDecoder(threshold=gcfg.threshold)
@@ -52,7 +52,7 @@ def decoder_for(gcfg: GenerationConfig):
     return decoders.HierarchyDecoder(threshold=gcfg.threshold, low_threshold=gcfg.low_threshold)
   if gcfg.decoder == "credit":
     return decoders.CreditDecoder(threshold=gcfg.threshold, alpha=gcfg.credit_alpha, gamma=gcfg.credit_gamma,
-                                  beta=gcfg.credit_beta)
+                                  beta=gcfg.credit_beta, vocab_size=vocab_size)
   if gcfg.decoder == "fixed_steps":
     return decoders.FixedStepsDecoder(steps_per_block=gcfg.steps_per_block)
   return decoders.FastDLLMDecoder(threshold=gcfg.threshold)
@@ -79,7 +79,7 @@ def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig) -> tuple[Layout,
   lay = make_layout(prompts, gcfg, mcfg, block_diffusion=block_causal or mode == "block_diffusion")
   mask_id = gcfg.mask_id if gcfg.mask_id is not None else mcfg.mask_token_id
   eos_id = gcfg.eos_id if gcfg.eos_id is not None else mcfg.eos_token_id
-  static = dict(mcfg=mcfg, gcfg=gcfg, grid=lay.grid, decoder=decoder_for(gcfg), mode=mode,
+  static = dict(mcfg=mcfg, gcfg=gcfg, grid=lay.grid, decoder=decoder_for(gcfg, mcfg.vocab_size), mode=mode,
                 block_causal=block_causal, mask_id=int(mask_id), eos_id=int(eos_id))
   return lay, static
 
