@@ -265,7 +265,12 @@ def read_config_file(path: os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
     raise CheckpointError(f"{f}: cannot parse: {e}") from None
   if not isinstance(raw, dict):
     raise CheckpointError(f"{f}: expected a JSON object")
-  return ModelConfig.from_hf_config(raw), raw
+  try:
+    return ModelConfig.from_hf_config(raw), raw
+  except ConfigError as e:
+    # ConfigError messages start with "config.json:"; name the actual file instead.
+    msg = str(e)
+    raise ConfigError(f"{f}{msg[len(CONFIG_NAME):]}" if msg.startswith(CONFIG_NAME) else f"{f}: {msg}") from None
 
 
 def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], *,
