@@ -13,6 +13,7 @@ from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.layout import Layout, make_layout, normalize_prompts
+from dinfer_jax.sharding import use_mesh
 
 
 @dataclasses.dataclass
@@ -123,5 +124,6 @@ def generate(model, prompts, config: GenerationConfig | None = None, *, seed: in
   params, mcfg = (model.params, model.config) if hasattr(model, "params") else model
   gcfg = config or GenerationConfig()
   n_rows = len(normalize_prompts(prompts))
-  lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed)
+  with use_mesh(getattr(model, "mesh", None)):
+    lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed)
   return collect(lay, out, n_rows, static["eos_id"])

@@ -1,0 +1,101 @@
+"""The small public API: load a checkpoint into a Model, run the plain forward."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dinfer_jax import checkpoint
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.model import params as params_lib
+from dinfer_jax.model.transformer import forward as _forward
+from dinfer_jax.sharding import param_shardings, use_mesh
+
+DEFAULT_MODEL_DIR = pathlib.Path(__file__).parent / "assets" / "default"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+  """A loaded model: config, params (a plain pytree), tokenizer (None if the checkpoint ships none)."""
+  config: ModelConfig
+  params: Any
+  tokenizer: Any = None
+  mesh: jax.sharding.Mesh | None = None
+  path: str | None = None
+
+
+def resolve_path(path: str | os.PathLike | None) -> pathlib.Path:
+  """`None` or "default" is the embedded default model; anything else is a directory."""
+  if path is None or str(path) == "default":
+    if not (DEFAULT_MODEL_DIR / "config.json").exists():
+      raise FileNotFoundError(f"the embedded default model is not installed at {DEFAULT_MODEL_DIR}")
+    return DEFAULT_MODEL_DIR
+  p = pathlib.Path(path)
+  if not p.is_dir():
+    raise FileNotFoundError(f"model path {p} is not a directory")
+  return p
+
+
+def load_tokenizer(path: pathlib.Path):
+  if not any((path / f).exists() for f in TOKENIZER_FILES):
+    return None
+  from transformers import AutoTokenizer  # heavy import: only when a tokenizer is there
+  return AutoTokenizer.from_pretrained(str(path))
+
+
+def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
+         mesh: jax.sharding.Mesh | None = None) -> Model:
+  """Loads an HF checkpoint directory or a converted (orbax) one.
+
+  Args:
+    path: a directory, or None / "default" for the embedded default model.
+    dtype: weight dtype ("float32" or "bfloat16"; the router's expert_bias stays fp32).
+    mesh: optional (data, tensor, expert) mesh (sharding.make_mesh); weights are placed straight into
+      their tensor/expert-parallel shardings as they are read.
+  """
+  p = resolve_path(path)
+  if checkpoint.is_converted_checkpoint(p):
+    cfg, _ = checkpoint.converted.read_config_file(p)
+    shardings = _shardings(cfg, dtype, mesh)
+    params, cfg, _ = checkpoint.load_converted(p, dtype=dtype, shardings=shardings)
+  elif checkpoint.is_hf_checkpoint(p):
+    cfg, _ = checkpoint.read_hf_config(p)
+    shardings = _shardings(cfg, dtype, mesh)
+    params = checkpoint.load_hf_params(p, cfg, dtype, shardings=shardings)
+    if shardings is None:
+      params = jax.tree_util.tree_map(jnp.asarray, params)
+  else:
+    raise checkpoint.CheckpointError(f"{p}: neither an HF checkpoint (config.json + *.safetensors) nor a "
+                                     "converted dinfer-jax checkpoint")
+  return Model(config=cfg, params=params, tokenizer=load_tokenizer(p), mesh=mesh, path=str(p))
+
+
+def _shardings(cfg: ModelConfig, dtype, mesh):
+  if mesh is None:
+    return None
+  return param_shardings(params_lib.abstract_params(cfg, dtype), params_lib.logical_axes(cfg), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _jit_forward(params, tokens, cfg):
+  return _forward(params, cfg, tokens).logits
+
+
+def forward(model: Model, token_ids) -> jax.Array:
+  """fp32 logits [B, T, V] of the full bidirectional forward (no cache, no mask, positions 0..T-1)."""
+  tokens = jnp.asarray(np.asarray(token_ids, dtype=np.int32))
+  if tokens.ndim == 1:
+    tokens = tokens[None]
+  if tokens.ndim != 2:
+    raise ValueError(f"forward: token_ids must be [T] or [B, T], got shape {tuple(tokens.shape)}")
+  if tokens.shape[1] > model.config.max_position:
+    raise ValueError(f"forward: {tokens.shape[1]} tokens exceed the model's max_position={model.config.max_position}")
+  with use_mesh(model.mesh):
+    return _jit_forward(model.params, tokens, model.config)
