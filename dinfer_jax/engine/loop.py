@@ -65,6 +65,9 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
   table = params["embed"]
   col = jnp.arange(Tc)
   warmup = gcfg.warmup_steps if gcfg.vicinity else 0
+  # Per block: at most L commit steps, plus the refresh's owed cached step, the warm-up forwards and block
+  # diffusion's final forward, all counted per row and rows can be out of step with each other.
+  max_iters = 2 * (L + warmup + 2)
   row_keys = jax.vmap(lambda r: jax.random.fold_in(seed, r))(jnp.arange(Bsz))
 
   st: dict[str, Any] = {
@@ -137,12 +140,16 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     bst["refreshed"] = jnp.zeros((Bsz,), bool)
     bst["forced"] = jnp.zeros((Bsz,), bool)  # the cached step owed after a refresh, even if nothing is left
     bst["final"] = jnp.zeros((Bsz,), bool)  # block diffusion's clean-K/V forward after the last commit
+    bst["iters"] = jnp.zeros((), jnp.int32)
 
     def has_masks(cv):
       return (blk(cv) == mask_id).any(axis=1) & ~st["done"]
 
     def step_cond(b):
-      return (has_masks(b["canvas"]) | b["forced"] | b["final"]).any()
+      # The iteration cap is a backstop against a decoder that stops committing (every decoder commits at
+      # least one token per row per step while masks remain, so it is never reached in practice): a device
+      # loop that never ends would hang the whole program with no way to interrupt it.
+      return (has_masks(b["canvas"]) | b["forced"] | b["final"]).any() & (b["iters"] < max_iters)
 
     def step_body(b):
       masks_before = has_masks(b["canvas"])
@@ -220,6 +227,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
           emb = jax.lax.dynamic_update_slice_in_dim(emb, jnp.where(upd, soft_win, old_win), c0, axis=1)
         nb["emb"] = emb
 
+      nb["iters"] = b["iters"] + 1
       nb["n"] = b["n"] + active.astype(jnp.int32)
       ran_full = use_full.any().astype(jnp.int32)
       ran_cached = use_cached.any().astype(jnp.int32)
