@@ -1,0 +1,323 @@
+"""The sandbox contains hostile programs, in every isolation mode this machine offers.
+
+Modes run in-process are those available to the test's own uid (root here: "namespaces", "rlimits");
+the non-root modes ("userns", "rlimits" as an ordinary user) are exercised by re-running a battery as
+`nobody` through setpriv when the test runs as root.
+"""
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from train_td import sandbox
+from train_td.sandbox import Limits, run_python
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODES = sandbox.available_modes()
+FAST = Limits(cpu_seconds=1, wall_seconds=2.0)
+
+# A fork bomb that survives failed forks, so only the limits end it.
+FORK_BOMB = """
+import os
+while True:
+  try:
+    os.fork()
+  except OSError:
+    pass
+"""
+
+
+def _sandbox_uid_processes():
+  """Live (non-zombie) processes, or any zombies, owned by a sandbox uid."""
+  lo, hi = sandbox.SANDBOX_UID_RANGE
+  found = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        status = pathlib.Path(f"/proc/{entry}/status").read_text()
+      except OSError:
+        continue
+      uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+      if lo <= uid < hi:
+        found.append((int(entry), uid))
+  return found
+
+
+def test_modes_found():
+  assert MODES, sandbox._probe_errors
+  if os.geteuid() == 0 and shutil.which("unshare"):
+    assert MODES[0] == "namespaces", sandbox._probe_errors
+
+
+def test_limits_validated():
+  with pytest.raises(ValueError, match="memory_bytes"):
+    Limits(memory_bytes=1)
+  with pytest.raises(ValueError, match="cpu_seconds"):
+    Limits(cpu_seconds=0)
+  with pytest.raises(ValueError, match="wall_seconds"):
+    Limits(wall_seconds=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_normal_program(mode):
+  r = run_python("import os, sys\nopen('f.txt', 'w').write(input())\nprint(open('f.txt').read()[::-1])\n"
+                 "print(os.getcwd())\nprint('to stderr', file=sys.stderr)",
+                 stdin="hello", mode=mode)
+  assert r.ok, r
+  assert r.mode == mode
+  reversed_text, cwd = r.stdout.split()
+  assert reversed_text == "olleh"
+  assert r.stderr == "to stderr\n"
+  assert not os.path.exists(cwd), "the working directory must be removed afterwards"
+  failed = run_python("raise SystemExit(3)", mode=mode)
+  assert (failed.ok, failed.returncode, failed.killed_reason) == (False, 3, None)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_infinite_loop_hits_cpu_limit(mode):
+  r = run_python("while True:\n  pass", limits=Limits(cpu_seconds=1, wall_seconds=8.0), mode=mode)
+  assert not r.ok
+  assert r.killed_reason == "cpu_limit" and r.returncode == -24, r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sleeper_hits_wall_timeout(mode):
+  r = run_python("import time\ntime.sleep(60)", limits=Limits(wall_seconds=1.0), mode=mode)
+  assert not r.ok and r.timed_out and r.killed_reason == "wall_timeout", r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fork_bomb_contained(mode):
+  r = run_python(FORK_BOMB, limits=FAST, mode=mode)
+  assert not r.ok
+  assert r.killed_reason in ("wall_timeout", "cpu_limit"), r
+  # The machine is unharmed: we can still start processes, and nothing of the run is left.
+  assert subprocess.run(["true"]).returncode == 0
+  assert _sandbox_uid_processes() == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_escaped_background_process_killed(mode):
+  # A child that leaves the process group (setsid) and outlives the program.
+  code = "import os, time\nif os.fork() == 0:\n  os.setsid()\n  time.sleep(60)\nprint('parent done')"
+  r = run_python(code, limits=FAST, mode=mode)
+  assert r.ok and r.stdout == "parent done\n", r
+  assert _sandbox_uid_processes() == []
+
+
+_CALLER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from train_td import sandbox
+sandbox.available_modes()  # the probe runs a sandboxed program too; get it out of the way
+print("probed", flush=True)
+sandbox.run_python("import time\\ntime.sleep(100)", limits=sandbox.Limits(wall_seconds=3.0), mode=sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="finds the program by its sandbox uid (root modes)")
+@pytest.mark.parametrize("mode", MODES)
+def test_program_dies_with_its_caller(mode):
+  before = set(os.listdir(sandbox.tempfile.gettempdir()))
+  caller = subprocess.Popen([sys.executable, "-c", _CALLER, str(REPO), mode], stdout=subprocess.PIPE,
+                            text=True)
+  try:
+    assert caller.stdout.readline() == "probed\n"
+    deadline = time.monotonic() + 10
+    while not _sandbox_uid_processes():
+      assert time.monotonic() < deadline, "the sandboxed program never started"
+      time.sleep(0.05)
+    caller.kill()  # no cleanup runs in the caller
+    caller.wait()
+    # The launcher notices (parent-death signal, or its own wall-clock backstop) and ends the run.
+    deadline = time.monotonic() + 10
+    while _sandbox_uid_processes():
+      assert time.monotonic() < deadline, _sandbox_uid_processes()
+      time.sleep(0.1)
+  finally:
+    caller.kill()
+    caller.wait()
+    for name in set(os.listdir(sandbox.tempfile.gettempdir())) - before:
+      if name.startswith("dinfer-sandbox-"):  # the dead caller could not remove its working dir
+        shutil.rmtree(os.path.join(sandbox.tempfile.gettempdir(), name), ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_huge_allocation_fails(mode):
+  r = run_python("x = bytearray(10 * 1024**3)\nprint('allocated')", limits=FAST, mode=mode)
+  assert not r.ok and "allocated" not in r.stdout
+  assert "MemoryError" in r.stderr, r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_output_flood_cut(mode):
+  r = run_python("while True:\n  print('a' * 1000)", limits=Limits(max_output_bytes=10_000), mode=mode)
+  assert not r.ok and r.killed_reason == "output_limit", r
+  assert len(r.stdout) <= 10_000
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_big_file_hits_fsize_limit(mode):
+  r = run_python("open('big', 'wb').write(b'x' * (8 << 20))", limits=Limits(max_file_bytes=1 << 20),
+                 mode=mode)
+  assert not r.ok and "File too large" in r.stderr, r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cannot_write_outside_workdir(mode, tmp_path):
+  tag = uuid.uuid4().hex
+  targets = [REPO / f"pwned-{tag}", REPO / "train_td" / f"pwned-{tag}"]
+  escape = []
+  if mode == "rlimits":
+    # Without a mount namespace, world-writable directories stay writable (documented); what holds
+    # is Unix permissions: a directory the program does not own.
+    tmp_path.chmod(0o755)
+    targets.append(tmp_path / "pwned")
+  else:
+    # A path in /tmp that does not exist yet: only a read-only /tmp stops the program creating it.
+    targets += [pathlib.Path(f"/tmp/pwn-{tag}/pwned"), pathlib.Path(f"/dev/shm/pwned-{tag}"),
+                pathlib.Path(f"/var/tmp/pwned-{tag}"),
+                pathlib.Path(sandbox.tempfile.gettempdir()) / f"escape-{tag}"]
+    escape = [f"../escape-{tag}"]  # the working directory's parent, as a relative path
+  code = (f"import os\nfor p in {[str(t) for t in targets] + escape!r}:\n"
+          "  try:\n    os.makedirs(os.path.dirname(p), exist_ok=True)\n    open(p, 'w').write('x')\n"
+          "    print('WROTE', p)\n  except OSError as e:\n    print('refused', p, e.strerror)\n"
+          "open('inside.txt', 'w').write('fine')\nprint('inside ok')")
+  try:
+    r = run_python(code, limits=FAST, mode=mode)
+    assert r.ok, r
+    assert "WROTE" not in r.stdout and "inside ok" in r.stdout, r.stdout
+    for t in targets:
+      assert not t.exists(), t
+  finally:
+    for t in targets:
+      if t.exists():
+        t.unlink()
+    shutil.rmtree(f"/tmp/pwn-{tag}", ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cannot_see_parent_environment(mode, monkeypatch):
+  secret = "s3cret-" + uuid.uuid4().hex
+  monkeypatch.setenv("DINFER_SANDBOX_SECRET", secret)
+  # A process that carries the secret in its exec-time environment, i.e. in /proc/<pid>/environ.
+  holder = subprocess.Popen(["sleep", "30"], env={"DINFER_SANDBOX_SECRET": secret})
+  try:
+    code = ("import os\nprint(dict(os.environ))\n"
+            "for p in os.listdir('/proc'):\n  if p.isdigit():\n    try:\n"
+            "      print(open('/proc/' + p + '/environ', 'rb').read())\n    except OSError:\n      pass")
+    r = run_python(code, limits=FAST, mode=mode)
+  finally:
+    holder.kill()
+    holder.wait()
+  assert secret not in r.stdout and secret not in r.stderr
+  assert "DINFER_SANDBOX_SECRET" not in r.stdout
+  if r.ok:
+    assert r.stdout.splitlines()[0] in ("{}", "{'LC_CTYPE': 'C.UTF-8'}"), r.stdout  # set by Python
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_network(mode):
+  with socket.socket() as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            "print('connected')")
+    r = run_python(code, limits=FAST, mode=mode)
+    server.settimeout(0.3)
+    with pytest.raises(socket.timeout):
+      server.accept()
+  assert not r.ok and "connected" not in r.stdout, r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eval_expression(mode):
+  assert sandbox.eval_expression("x*3+2", [0, 1, -4], mode=mode) == [2, 5, -10]
+  assert sandbox.eval_expression(" max(x,5) ", [1, 9], mode=mode) == [5, 9]
+  assert sandbox.eval_expression("x//(x-1)", [0, 1], mode=mode) is None  # ZeroDivisionError
+  assert sandbox.eval_expression("x/2", [4], mode=mode) is None  # float, not int
+  assert sandbox.eval_expression("x>1", [4], mode=mode) is None  # bool, not int
+
+
+@pytest.mark.parametrize("text", [
+    "import os", "x; import os", "__import__('os').system('true')", "().__class__", "y+1",
+    "lambda: 1", "open('f')", "", "x*", "x\nimport os", "(x:=1)", "[c for c in 'ab']", "x" * 300])
+def test_eval_expression_rejects_non_expressions_early(text, monkeypatch):
+  monkeypatch.setattr(sandbox, "run_python", lambda *a, **k: pytest.fail("must not reach the sandbox"))
+  assert sandbox.eval_expression(text, [1]) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# The non-root modes, run as `nobody` with the system interpreter.
+
+_AS_NOBODY = r"""
+import json, socket, sys
+sys.path.insert(0, sys.argv[1])
+from train_td import sandbox
+programs = json.loads(sys.argv[2])
+out = {"modes": list(sandbox.available_modes()), "errors": sandbox._probe_errors, "runs": {}}
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen()
+server.settimeout(0.3)
+programs["socket"] = ("import socket\nsocket.create_connection(('127.0.0.1', %d), timeout=1)\n"
+                      "print('connected')" % server.getsockname()[1])
+for mode in out["modes"]:
+  for name, code in programs.items():
+    limits = sandbox.Limits(cpu_seconds=1, wall_seconds=2.0)
+    r = sandbox.run_python(code.replace("@MODE@", mode), limits=limits, mode=mode)
+    out["runs"][mode + "/" + name] = [r.ok, r.stdout[-500:], r.killed_reason]
+try:
+  server.accept()
+  out["connection_arrived"] = True
+except socket.timeout:
+  out["connection_arrived"] = False
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(
+    "/usr/bin/python3", os.X_OK), reason="needs root (to become nobody), setpriv and /usr/bin/python3")
+def test_non_root_modes_contain_hostile_programs():
+  tag = uuid.uuid4().hex
+  outside = f"/tmp/pwn-{tag}/@MODE@"
+  programs = {
+      "loop": "while True:\n  pass",
+      "fork_bomb": FORK_BOMB,
+      "write": (f"import os\np = {outside!r}\ntry:\n  os.makedirs(os.path.dirname(p))\n"
+                "  open(p, 'w').write('x')\n  print('WROTE')\nexcept OSError as e:\n  print('refused')"),
+      "memory": "x = bytearray(10 * 1024**3)\nprint('allocated')",
+  }
+  proc = subprocess.run(
+      ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3", "-I",
+       "-c", _AS_NOBODY, str(REPO), json.dumps(programs)],
+      capture_output=True, text=True, cwd="/", timeout=120)
+  try:
+    if proc.returncode != 0 and "Permission denied" in proc.stderr:
+      pytest.skip(f"the repository is not readable by nobody: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "rlimits" in out["modes"], out["errors"]
+    for key, (ok, stdout, killed_reason) in out["runs"].items():
+      name = key.split("/")[1]
+      if name == "write" and key.startswith("userns/"):
+        assert ok and stdout.strip() == "refused", (key, stdout)
+      elif name != "write":
+        assert not ok, (key, stdout, killed_reason)
+      assert "connected" not in stdout and "allocated" not in stdout, (key, stdout)
+      if name in ("loop", "fork_bomb"):
+        assert killed_reason in ("cpu_limit", "wall_timeout"), (key, killed_reason)
+    assert not out["connection_arrived"]
+    assert subprocess.run(["true"]).returncode == 0
+    if "userns" in out["modes"]:
+      assert not os.path.exists(outside.replace("@MODE@", "userns"))
+  finally:
+    shutil.rmtree(f"/tmp/pwn-{tag}", ignore_errors=True)

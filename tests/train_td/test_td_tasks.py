@@ -1,0 +1,178 @@
+"""Task generation, verification and the train/test split."""
+import operator
+import re
+
+import numpy as np
+import pytest
+
+from train_td import sandbox, tasks
+from train_td.tasks import base
+
+ARITH = tasks.get_task("arithmetic")
+PROG = tasks.get_task("program")
+
+
+def test_registry(monkeypatch):
+  assert {"arithmetic", "program"} <= set(tasks.task_names())
+  with pytest.raises(ValueError, match="name"):
+    tasks.get_task("no-such-task")
+  monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # keep the global registry clean
+
+  class Echo(tasks.Task):
+    name = "echo-test"
+
+    def generate(self, rng):
+      v = str(int(rng.integers(100)))
+      return tasks.Problem(task=self.name, prompt=v, answer=v, split_keys=(v,))
+
+    def check(self, problem, answer_text):
+      return answer_text.strip() == problem.answer
+
+  echo = tasks.register_task(Echo())
+  assert tasks.get_task("echo-test") is echo
+  with pytest.raises(ValueError, match="already registered"):
+    tasks.register_task(Echo())
+  tasks.register_task(Echo(), replace=True)
+  probs = tasks.train_problems("echo-test", 5, seed=0)
+  assert all(echo.check(p, p.answer) for p in probs)
+
+
+def test_problem_validated():
+  with pytest.raises(ValueError, match="prompt"):
+    tasks.Problem(task="t", prompt="", answer="1", split_keys=("k",))
+  with pytest.raises(ValueError, match="split_keys"):
+    tasks.Problem(task="t", prompt="p", answer="1", split_keys=())
+  with pytest.raises(ValueError, match="tests"):
+    tasks.Problem(task="t", prompt="p", answer="1", split_keys=("k",), tests=((1, "2"),))
+  with pytest.raises(ValueError, match="max_digits"):
+    tasks.ArithmeticTask(max_digits=0)
+  with pytest.raises(ValueError, match="ops"):
+    tasks.ArithmeticTask(ops="+/")
+  with pytest.raises(ValueError, match="n_shown"):
+    tasks.ProgramTask(n_shown=0)
+
+
+@pytest.mark.parametrize("task", [ARITH, PROG], ids=lambda t: t.name)
+def test_deterministic_for_a_seed(task):
+  assert tasks.train_problems(task, 200, seed=3) == tasks.train_problems(task, 200, seed=3)
+  assert tasks.train_problems(task, 200, seed=3) != tasks.train_problems(task, 200, seed=4)
+  assert tasks.test_problems(task, 50, seed=1) == tasks.test_problems(task, 50, seed=1)
+  rng_a, rng_b = np.random.default_rng(7), np.random.default_rng(7)
+  assert [task.generate(rng_a) for _ in range(20)] == [task.generate(rng_b) for _ in range(20)]
+
+
+_ARITH_PROMPT = re.compile(r"([0-9]+)([-+*])([0-9]+)")
+
+
+def test_arithmetic_problems_and_verifier():
+  ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+  problems = tasks.train_problems(ARITH, 3000, seed=0)
+  seen_ops, saw_negative, saw_carry = set(), False, False
+  for p in problems:
+    a, op, b = _ARITH_PROMPT.fullmatch(p.prompt).groups()
+    expected = ops[op](int(a), int(b))
+    assert p.answer == str(expected)
+    seen_ops.add(op)
+    saw_negative |= expected < 0
+    saw_carry |= op == "+" and (int(a) % 10 + int(b) % 10) >= 10
+    if op == "*":
+      assert len(a) + len(b) <= 4
+    else:
+      assert len(a) <= 3 and len(b) <= 3
+    assert len(p.prompt) <= 7
+    assert ARITH.check(p, p.answer) and ARITH.check(p, f"  {p.answer}\n")
+    assert not ARITH.check(p, str(expected + 1))
+  assert seen_ops == {"+", "-", "*"} and saw_negative and saw_carry
+  assert len({p.prompt for p in problems}) > 2500
+
+
+@pytest.mark.parametrize("answer", ["628", "", " ", "627.0", "+627", "627 0", "6 27", "1_627", "627\n1",
+                                    "six hundred", "\u0666\u0662\u0667", "0x273", "9" * 100, None])
+def test_arithmetic_rejects(answer):
+  p = tasks.Problem(task="arithmetic", prompt="348+279", answer="627", split_keys=("+:279,348",))
+  assert not ARITH.check(p, answer)
+  assert ARITH.check(p, "627") and ARITH.check(p, "0627")
+
+
+def test_no_negative_option():
+  task = tasks.ArithmeticTask(ops="-", allow_negative=False)
+  problems = [task.generate(np.random.default_rng(i)) for i in range(300)]
+  assert all(int(p.answer) >= 0 for p in problems)
+
+
+def test_program_problems_are_well_posed():
+  table = tasks.canonical_functions()
+  assert max(len(expr) for expr in table) <= 12
+  for p in tasks.train_problems(PROG, 500, seed=0):
+    assert len(p.prompt) <= 32
+    assert p.prompt == ";".join(f"f({x})={y}" for x, y in p.examples)
+    values = table[p.answer]
+    assert all(values[x] == y for x, y in p.examples + p.tests)
+    assert not {x for x, _ in p.examples} & {x for x, _ in p.tests}
+    # The examples single out the reference among all functions of all families.
+    matching = [e for e, v in table.items() if all(v[x] == y for x, y in p.examples)]
+    assert matching == [p.answer]
+
+
+def test_reference_expressions_agree_in_sandbox():
+  # Every canonical answer, evaluated by the sandbox in one process, gives the generator's values.
+  table = tasks.canonical_functions()
+  code = ("exprs = %r\nfor e in exprs:\n  print(' '.join(str(eval(e, {'__builtins__': "
+          "{'abs': abs, 'min': min, 'max': max}}, {'x': x})) for x in %r))") % (list(table),
+                                                                                  list(tasks.DOMAIN))
+  r = sandbox.run_python(code)
+  assert r.ok, r
+  got = [tuple(int(v) for v in line.split()) for line in r.stdout.splitlines()]
+  assert got == list(table.values())
+
+
+def test_program_verifier():
+  problems = tasks.test_problems(PROG, 4, seed=0)
+  for p in problems:
+    assert PROG.check(p, p.answer)
+    assert PROG.check(p, f" {p.answer} ")
+  p = tasks.Problem(task="program", prompt="f(1)=5;f(2)=8;f(4)=14", answer="x*3+2",
+                    split_keys=("fn:x*3+2", "prompt:f(1)=5;f(2)=8;f(4)=14"),
+                    examples=((1, 5), (2, 8), (4, 14)), tests=((0, 2), (7, 23), (19, 59)))
+  assert PROG.check(p, "2+3*x")  # any spelling of the same function
+  assert PROG.check(p, "(x+1)*3-1")
+  # Fits the shown pairs only: must fail on the held-out ones.
+  assert not PROG.check(p, "{1: 5, 2: 8, 4: 14}[x]")
+  assert not PROG.check(p, "x*3+2 if x < 5 else 0")
+  for wrong in ["x*3+1", "x*x", "hello", "", "import os", "__import__('os').getcwd()", "x*3+2.0", "x*3+"]:
+    assert not PROG.check(p, wrong), wrong
+
+
+@pytest.mark.parametrize("task,n_train", [(ARITH, 20000), (PROG, 6000)], ids=["arithmetic", "program"])
+def test_train_and_test_are_disjoint(task, n_train):
+  test = tasks.test_problems(task, 300, seed=0)
+  assert len({p.prompt for p in test}) == 300
+  assert all(tasks.problem_split(task, p) == "test" for p in test)
+  test_keys = {k for p in test for k in p.split_keys}
+  test_prompts = {p.prompt for p in test}
+  for seed in (0, 1):
+    train = tasks.train_problems(task, n_train, seed=seed)
+    assert all(tasks.problem_split(task, p) == "train" for p in train)
+    assert not test_prompts & {p.prompt for p in train}
+    assert not test_keys & {k for p in train for k in p.split_keys}
+  # The split does not depend on the sampling seed: other seeds' test sets are held out as well.
+  other = tasks.test_problems(task, 100, seed=5)
+  assert all(tasks.problem_split(task, p) == "test" for p in other)
+
+
+def test_commuted_sum_stays_in_its_split():
+  test = tasks.test_problems(ARITH, 300, seed=0)
+  for p in test:
+    a, op, b = _ARITH_PROMPT.fullmatch(p.prompt).groups()
+    if op in "+*":
+      swapped = tasks.Problem(task="arithmetic", prompt=f"{b}{op}{a}", answer=p.answer,
+                              split_keys=p.split_keys)
+      assert p.split_keys == (f"{op}:{min(int(a), int(b))},{max(int(a), int(b))}",)
+      assert tasks.problem_split(ARITH, swapped) == "test"
+
+
+def test_check_all():
+  problems = tasks.test_problems("arithmetic", 3)
+  assert tasks.check_all("arithmetic", problems, [p.answer for p in problems]) == [True] * 3
+  with pytest.raises(ValueError, match="answers"):
+    tasks.check_all("arithmetic", problems, [])

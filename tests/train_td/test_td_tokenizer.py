@@ -1,0 +1,130 @@
+"""Character tokenizer: round trip, special ids, saving/loading, question mapping."""
+import json
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from train_td import tasks
+from train_td import tokenizer as T
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return T.build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def task_texts():
+  texts = []
+  for name in ("arithmetic", "program"):
+    for p in tasks.train_problems(name, 1000, seed=0) + tasks.test_problems(name, 100):
+      texts += [p.prompt, p.answer, T.format_chat(p.prompt, p.answer)]
+  return texts
+
+
+def test_vocab_and_special_ids(tok):
+  assert len(tok) == T.VOCAB_SIZE == 128
+  assert (tok.pad_token_id, tok.eos_token_id, tok.mask_token_id, tok.unk_token_id) == (
+      T.PAD_ID, T.EOS_ID, T.MASK_ID, T.UNK_ID) == (0, 1, 2, 3)
+  assert tok.convert_tokens_to_ids([T.USER_TOKEN, T.ASSISTANT_TOKEN]) == [T.USER_ID, T.ASSISTANT_ID]
+  assert T.special_token_ids() == {"<|pad|>": 0, "<|eos|>": 1, "<|mask|>": 2, "<|unk|>": 3,
+                                   "<|user|>": 4, "<|assistant|>": 5}
+  # One token per character.
+  assert tok.encode("348+279", add_special_tokens=False) == [tok.convert_tokens_to_ids(c) for c in "348+279"]
+
+
+def test_round_trip_on_task_texts(tok, task_texts):
+  raw = T.build_raw_tokenizer()
+  for s in task_texts:
+    ids = tok.encode(s, add_special_tokens=False)
+    assert T.UNK_ID not in ids, s
+    assert tok.decode(ids) == s
+    assert raw.decode(raw.encode(s).ids, skip_special_tokens=False) == s
+
+
+def test_round_trip_on_awkward_text(tok):
+  for s in ["", " ", "  a  b ", "3 . 4", "x\n\ty", "What is 348 + 279?", "it's (a) [b] {c} ~`|\\",
+            "<|mask|><|mask|>7<|eos|><|pad|>"]:
+    assert tok.decode(tok.encode(s, add_special_tokens=False)) == s
+
+
+def test_special_tokens_are_single_ids(tok):
+  ids = tok.encode("<|user|>3+4<|assistant|>7<|eos|><|mask|><|pad|>", add_special_tokens=False)
+  assert ids == [4, 25, 17, 26, 5, 29, 1, 2, 0]
+  assert tok.decode(ids, skip_special_tokens=True) == "3+47"
+
+
+def test_unknown_characters_map_to_unk(tok):
+  ids = tok.encode("é3\u6f22+\U0001f600", add_special_tokens=False)
+  assert ids == [T.UNK_ID, tok.convert_tokens_to_ids("3"), T.UNK_ID, tok.convert_tokens_to_ids("+"),
+                 T.UNK_ID]
+
+
+def test_save_and_load_with_auto_tokenizer(tmp_path, task_texts):
+  T.save_tokenizer(tmp_path)
+  assert (tmp_path / "tokenizer.json").exists() and (tmp_path / "tokenizer_config.json").exists()
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  assert config["mask_token"] == "<|mask|>" and config["eos_token"] == "<|eos|>"
+  assert config["pad_token"] == "<|pad|>" and config["unk_token"] == "<|unk|>"
+  loaded = AutoTokenizer.from_pretrained(tmp_path)
+  assert len(loaded) == T.VOCAB_SIZE
+  assert (loaded.mask_token_id, loaded.eos_token_id, loaded.pad_token_id) == (T.MASK_ID, T.EOS_ID, T.PAD_ID)
+  assert loaded.chat_template == T.CHAT_TEMPLATE
+  original = T.build_tokenizer()
+  for s in task_texts[:300]:
+    ids = loaded.encode(s, add_special_tokens=False)
+    assert ids == original.encode(s, add_special_tokens=False)
+    assert loaded.decode(ids) == s
+
+
+QUESTIONS = [
+    ("What is 348+279?", "348+279"),
+    ("What is 348 + 279", "348+279"),
+    ("what is 348 + 279 ?", "348+279"),
+    ("348 plus 279 =", "348+279"),
+    ("What's 7 minus 9?", "7-9"),
+    ("What\u2019s 7 - 9", "7-9"),
+    ("12 times 13", "12*13"),
+    ("12 x 13", "12*13"),
+    ("12X13", "12*13"),
+    ("12 \u00d7 13", "12*13"),
+    ("What is 5 multiplied by 6?", "5*6"),
+    ("Calculate 25*4.", "25*4"),
+    ("  How much is 100 - 1 ?  ", "100-1"),
+    ("348+279", "348+279"),
+    ("f(1)=5;f(2)=8;f(4)=14", "f(1)=5;f(2)=8;f(4)=14"),
+    ("  f(0)=0;f(3)=9  ", "f(0)=0;f(3)=9"),
+]
+
+
+@pytest.mark.parametrize("question,prompt", QUESTIONS)
+def test_format_prompt(question, prompt):
+  assert T.format_prompt(question) == prompt
+  assert T.format_chat(question) == f"<|user|>{prompt}<|assistant|>"
+  assert T.format_chat(question, "7") == f"<|user|>{prompt}<|assistant|>7<|eos|>"
+
+
+def test_format_prompt_is_identity_on_task_prompts():
+  for name in ("arithmetic", "program"):
+    for p in tasks.train_problems(name, 500, seed=1):
+      assert T.format_prompt(p.prompt) == p.prompt
+
+
+def test_chat_template_matches_format_chat(tmp_path):
+  pytest.importorskip("jinja2")  # transformers needs it for apply_chat_template
+  T.save_tokenizer(tmp_path)
+  loaded = AutoTokenizer.from_pretrained(tmp_path)
+  render = lambda messages, gen: loaded.apply_chat_template(messages, tokenize=False,
+                                                            add_generation_prompt=gen)
+  for question, _ in QUESTIONS:
+    assert render([{"role": "user", "content": question}], True) == T.format_chat(question)
+    assert render([{"role": "user", "content": question}, {"role": "assistant", "content": "42"}],
+                  False) == T.format_chat(question, "42")
+  # Both implementations agree on arbitrary mixtures of the pieces they rewrite.
+  pieces = list("0123456789+-*x =?!.\n\t") + ["what is ", "What's ", "plus", "minus", "times", " X ",
+                                              "f(", "\u00d7", "multiplied by", "\u00e9", "How much is"]
+  rng = random.Random(0)
+  for _ in range(400):
+    q = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
+    assert render([{"role": "user", "content": q}], True) == T.format_chat(q), repr(q)

@@ -1,0 +1,908 @@
+"""Run untrusted, model-written Python in a contained child process.
+
+Everything a model writes is executed here and nowhere else: the verifiers in `train_td.tasks` never
+`eval` model output in-process. The module is stdlib-only on purpose: it doubles as the launcher script
+that runs inside the sandbox's namespaces (`python -I -S -B sandbox.py --launch CONFIG`), and it must be
+importable by a plain system interpreter (the non-root tests run it as `nobody`).
+
+Process tree of one run (namespace modes; "rlimits" mode starts the launcher directly):
+
+  caller ─ setpriv --pdeathsig KILL unshare --net --mount --pid --ipc --uts --fork --kill-child ...
+             └─ launcher (this file, `--launch`; trusted; pid 1 of the new pid namespace)
+                  └─ sandboxed interpreter running main.py (own process group, rlimits set,
+                     privileges dropped)
+
+Isolation modes (`available_modes()` lists what works on this machine; `run_python(mode=None)` picks
+the strongest):
+
+* ``"namespaces"`` (caller is root and `unshare` works). New network namespace (only a downed loopback,
+  so no connection can leave it); new mount namespace in which every mount is remounted read-only and
+  nosuid, except the working directory, which is a fresh size-limited tmpfs that vanishes with the
+  namespace; new pid namespace (the program sees only its own processes, and all of them die when the
+  launcher exits); new IPC/UTS namespaces. The program runs as a random unprivileged uid/gid that
+  nothing else uses, with no supplementary groups and no_new_privs (setuid binaries cannot regain
+  root). The random uid matters: root is exempt from RLIMIT_NPROC, and RLIMIT_NPROC counts *all*
+  processes of a uid, so with a uid of its own the limit counts exactly this run's processes.
+* ``"userns"`` (caller is not root, unprivileged user namespaces allowed). The same namespaces, made
+  inside a user namespace. Outside, the program keeps the caller's uid: it can *read* what the caller
+  can read, except the home directory, which is covered by an empty read-only tmpfs when an interpreter
+  outside it exists. All capabilities are dropped before exec; RLIMIT_NPROC counts per user namespace.
+* ``"rlimits"`` (fallback without namespaces). The program runs as a random unprivileged uid when the
+  caller is root (otherwise as the caller, with RLIMIT_NPROC = the caller's current task count + the
+  limit), and an audit hook installed before the program's first line blocks sockets, starting other
+  programs, ctypes and reading other processes' /proc entries. The launcher is a child subreaper and
+  afterwards kills the program's process group, (as root) every process of the run's uid, and any
+  remaining descendant. Weaker: the hook is a best-effort in-process guard (a determined program may
+  find a way around it), the program can write to world-writable directories (/tmp, /var/tmp,
+  /dev/shm), and it sees the host's /proc.
+
+In every mode: RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS, RLIMIT_FSIZE,
+RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE=0 (no core dumps), RLIMIT_MSGQUEUE=0; a wall-clock timeout
+after which the program's process group is SIGKILLed (and, through the pid namespace or the launcher's
+cleanup, processes that left it); an output cap (the run is killed once stdout+stderr exceed it); an
+empty environment (``env={}``; the interpreter runs with ``-I -S -B``); a fresh temporary working
+directory, deleted afterwards. If the caller dies mid-run, the run still ends: the launcher (or unshare)
+gets a parent-death signal, and the launcher has its own wall-clock alarm as a backstop (wall + 3 s).
+Not enforced: CPU share/niceness and page-cache memory (no cgroup is used), and in
+``"userns"``/``"rlimits"`` mode reading files the caller itself can read. If the caller is SIGKILLed,
+its (empty, in namespace modes) working directory is left behind in the temp dir.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# ----------------------------------------------------------------------------------------------------
+# Launcher side. It comes first and imports almost nothing because it starts once per sandboxed run:
+# every import here is paid per verified answer. Config arrives marshalled (marshal is built in, json
+# would pull in `re`), status goes back as text lines on an inherited pipe.
+
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND = 32, 1024, 2048, 4096
+_MS_REC, _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 16384, 1 << 18, 1 << 21, 1 << 24
+_PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 24, 28, 38, 47
+_PR_CAP_AMBIENT_CLEAR_ALL, _PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG = 4, 36, 1
+_SECBIT_NOROOT, _SECBIT_NOROOT_LOCKED = 1, 2
+# Used when the random sandbox uid cannot be set (e.g. root in a container with a 16-bit uid map).
+_FALLBACK_UID = 65534
+
+# Installed before the program in "rlimits" mode, where there are no namespaces. Best effort: it blocks
+# the audit events for sockets, starting other programs (exec, spawn, subprocess: a fresh interpreter
+# would run without the hook), ctypes (which could call libc directly), other processes' /proc entries
+# (a same-uid program could read the caller's environ), and the ways to reach the hook's own code (gc,
+# tracing, rebinding __code__). Its state lives in immutable default arguments and its name is deleted.
+# sys._getframe stays allowed: the stdlib needs it at import time (enum, namedtuple). os.fork stays
+# allowed too: a forked child keeps the hook, RLIMIT_NPROC bounds how many, and the launcher kills
+# and reaps them all afterwards.
+_AUDIT_BOOT = r"""
+import os, sys
+def _sandbox_audit(event, args, _prefixes=("socket.", "ctypes.", "os.exec", "os.posix_spawn", "os.spawn",
+                   "os.system", "subprocess.", "pty.", "gc.get_", "sys._current_frames",
+                   "sys.setprofile", "sys.settrace", "os.chdir", "os.symlink", "os.link"),
+                   _own=("/proc/self/", "/proc/thread-self/", "/proc/%d/" % os.getpid())):
+  if event.startswith(_prefixes) or (event == "import" and args[0] in ("_ctypes", "_posixsubprocess")) or (
+      event == "object.__setattr__" and args[1] in ("__code__", "__defaults__", "__kwdefaults__")) or (
+      event == "open" and isinstance(args[0], (str, bytes)) and
+      os.path.abspath(os.fsdecode(args[0])).startswith("/proc/") and
+      not os.path.abspath(os.fsdecode(args[0])).startswith(_own)):
+    raise PermissionError("sandbox: " + event + " is not allowed")
+sys.addaudithook(_sandbox_audit)
+del _sandbox_audit
+with open("main.py", "rb") as _f:
+  _code = compile(_f.read(), "main.py", "exec")
+del _f
+exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+def _launcher(cfg: dict) -> int:
+  """Sets up the working directory and mounts, then forks and execs the sandboxed interpreter.
+
+  Reports "exit N", "signal N" or "error MESSAGE" on the status pipe.
+  """
+  status_fd = cfg["status_fd"]
+  os.set_inheritable(status_fd, False)  # closed by the exec of the sandboxed interpreter
+
+  def report(kind, value):
+    os.write(status_fd, f"{kind} {value}".replace("\n", " ").encode()[:4000] + b"\n")
+
+  try:
+    with os.fdopen(cfg["code_fd"], "rb") as f:
+      code = f.read()
+    if cfg["mode"] != "rlimits":
+      _setup_mounts(cfg)
+    fd = os.open(os.path.join(cfg["workdir"], "main.py"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+      f.write(code)
+  except Exception as e:  # noqa: BLE001 - reported to the caller as a SandboxError
+    report("error", f"{type(e).__name__}: {e}")
+    return 1
+  rlimits = cfg["mode"] == "rlimits"
+  if rlimits:
+    # No pid namespace here: become the subreaper of everything the program starts, so that processes
+    # which leave its process group (setsid) are still ours to find, kill and reap afterwards.
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+  # Stop requests: SIGUSR1 from the caller (wall time, output cap; killing the launcher instead would
+  # skip the cleanup below), SIGUSR1 as parent-death signal (the caller died), SIGALRM as a wall-clock
+  # backstop that holds even then. Each kills the program's process group; the group id is our own
+  # unreaped child's pid, so it cannot have been reused.
+  import signal
+  child, stop = [], []
+
+  def on_stop(*_):
+    stop.append(True)
+    if child:
+      _killpg(child[0])
+
+  signal.signal(signal.SIGUSR1, on_stop)
+  signal.signal(signal.SIGALRM, on_stop)
+  # The caller's own deadline started earlier and normally wins; 3 s later this one takes over.
+  signal.alarm(int(cfg["limits"]["wall_seconds"]) + 3)
+  _prctl(_PR_SET_PDEATHSIG, signal.SIGUSR1)
+  pid = os.fork()
+  if pid == 0:
+    try:
+      os.setpgid(0, 0)  # a group of its own, so one killpg reaches everything it forks
+      interpreter, argv = _drop_privileges(cfg)
+      os.execve(interpreter, argv, {})  # also resets the handlers above to their defaults
+    except BaseException as e:  # noqa: BLE001 - anything here is a setup failure
+      try:
+        report("error", f"{type(e).__name__}: {e}")
+      finally:
+        os._exit(126)
+  child.append(pid)
+  if stop:  # asked to stop before the program existed
+    _killpg(pid)
+  # Reap orphans as they come (as pid 1 of the namespace, or as subreaper) so that zombies do not hold
+  # RLIMIT_NPROC slots, until the program itself exits; leave the program unreaped (WNOWAIT) for now.
+  while True:
+    try:
+      done = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT).si_pid
+    except ChildProcessError:
+      report("error", "lost the sandboxed process")
+      return 1
+    if done == pid:
+      break
+    os.waitpid(done, 0)
+  if rlimits:
+    # Everything the program left behind. Its group first: one kill reaches every member atomically
+    # (a SIGKILLed process can no longer fork), so a fork bomb cannot outrun it.
+    _killpg(pid)
+    if cfg["uid"] is not None and _real_uid(pid) == cfg["uid"]:
+      _kill_uid(cfg["uid"])  # also those that left the group; the uid is this run's alone
+  _, wstatus = os.waitpid(pid, 0)
+  if os.WIFSIGNALED(wstatus):
+    report("signal", os.WTERMSIG(wstatus))
+  else:
+    report("exit", os.WEXITSTATUS(wstatus))
+  if rlimits:
+    _kill_children()
+  # In the namespace modes the launcher's exit ends the pid namespace: the kernel kills and reaps
+  # whatever is left.
+  return 0
+
+
+def _killpg(pgid: int) -> None:
+  import signal
+  try:
+    os.killpg(pgid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+def _real_uid(pid: int) -> int | None:
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      for line in f:
+        if line.startswith("Uid:"):
+          return int(line.split()[1])
+  except OSError:
+    pass
+  return None
+
+
+def _kill_uid(uid: int) -> None:
+  """SIGKILLs every process of `uid` (kill(-1) sent as that uid), from a forked helper."""
+  import signal
+  helper = os.fork()
+  if helper == 0:
+    try:
+      os.setgroups([])
+      os.setresgid(uid, uid, uid)
+      os.setresuid(uid, uid, uid)
+      for _ in range(100):
+        os.kill(-1, signal.SIGKILL)  # every process this uid may signal, except the helper itself
+    except BaseException:  # noqa: BLE001 - ProcessLookupError once none is left
+      pass
+    os._exit(0)
+  os.waitpid(helper, 0)
+
+
+def _kill_children() -> None:
+  """SIGKILLs and reaps every remaining child (as subreaper, all descendants end up as children)."""
+  import signal
+  for _ in range(1000):  # each round kills the current children; theirs are reparented to us
+    children = _children_of(os.getpid())
+    if not children:
+      break
+    for c in children:
+      try:
+        os.kill(c, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    while True:
+      try:
+        if os.waitpid(-1, os.WNOHANG)[0] == 0:
+          break
+      except ChildProcessError:
+        break
+  while True:  # reap the last ones (blocking is fine: everything left was SIGKILLed)
+    try:
+      os.waitpid(-1, 0)
+    except ChildProcessError:
+      break
+
+
+def _children_of(ppid: int) -> list:
+  """Pids whose parent is `ppid` (from /proc; used by the launcher and by the caller)."""
+  children = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat") as f:
+          stat = f.read()
+      except OSError:
+        continue
+      # Field 4 (ppid) follows the parenthesised command name, which may itself contain ") ".
+      if int(stat[stat.rindex(")") + 2:].split()[1]) == ppid:
+        children.append(int(entry))
+  return children
+
+
+def _libc():
+  import ctypes  # only the namespace setup and prctl need it
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                         ctypes.c_char_p]
+  libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+  return libc, ctypes
+
+
+def _mount(source, target, fstype, flags, data=None):
+  libc, ctypes = _libc()
+  enc = lambda s: None if s is None else s.encode()
+  if libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def _prctl(option, arg2=0, arg3=0):
+  libc, ctypes = _libc()
+  if libc.prctl(option, arg2, arg3, 0, 0) != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"prctl({option}): {os.strerror(err)}")
+
+
+def _unescape_mount_path(s: str) -> str:
+  """Undoes mountinfo's octal escapes (\\040 for space, ...) without importing `re`."""
+  out, i = [], 0
+  while i < len(s):
+    if s[i] == "\\" and len(s[i + 1:i + 4]) == 3 and s[i + 1:i + 4].isdigit():
+      out.append(chr(int(s[i + 1:i + 4], 8)))
+      i += 4
+    else:
+      out.append(s[i])
+      i += 1
+  return "".join(out)
+
+
+def _read_mountinfo() -> list:
+  """(mount point, per-mount options) of every mount in this mount namespace."""
+  out = []
+  with open("/proc/self/mountinfo") as f:
+    for line in f:
+      fields = line.split()
+      out.append((_unescape_mount_path(fields[4]), set(fields[5].split(","))))
+  return out
+
+
+def _setup_mounts(cfg: dict) -> None:
+  """Working directory = fresh tmpfs; every other mount read-only and nosuid (in this namespace only)."""
+  lim = cfg["limits"]
+  workdir = cfg["workdir"]
+  _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done below propagates back to the host
+  owner = f",uid={cfg['uid']},gid={cfg['uid']}" if cfg["uid"] is not None else ""
+  _mount("sandbox", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV,
+         f"size={lim['disk_bytes']},nr_inodes=4096,mode=0700{owner}")
+  for path in cfg["hide"]:
+    _mount("hidden", path, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=0555")
+  for point, opts in _read_mountinfo():
+    if point == workdir:
+      continue
+    # A bind-remount replaces the per-mount flags, so keep the ones already set (inside a user
+    # namespace the locked atime flags must even be passed back unchanged, or the kernel refuses).
+    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID
+    flags |= (_MS_NODEV if "nodev" in opts else 0) | (_MS_NOEXEC if "noexec" in opts else 0)
+    flags |= _MS_NODIRATIME if "nodiratime" in opts else 0
+    flags |= _MS_NOATIME if "noatime" in opts else _MS_RELATIME if "relatime" in opts else _MS_STRICTATIME
+    try:
+      _mount(None, point, None, flags)
+    except OSError:
+      if "ro" in opts:
+        continue  # already read-only (e.g. a locked mount we may not touch)
+      if not os.path.exists(point):
+        continue  # a mount point hidden under another mount: unreachable from the sandbox
+      raise
+
+
+def _drop_privileges(cfg: dict) -> tuple:
+  """In the forked child: rlimits, uid/capabilities, cwd. Returns the interpreter and its argv."""
+  import resource
+  lim = cfg["limits"]
+  _libc()  # import ctypes while the caller's interpreter files are still readable (before setuid)
+  os.chdir(cfg["workdir"])
+  nproc = lim["max_processes"] + cfg.get("nproc_base", 0)
+  for res, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_MSGQUEUE, 0),
+                     (resource.RLIMIT_AS, lim["memory_bytes"]),
+                     (resource.RLIMIT_FSIZE, lim["max_file_bytes"]),
+                     (resource.RLIMIT_NOFILE, lim["max_open_files"]), (resource.RLIMIT_NPROC, nproc)):
+    resource.setrlimit(res, (value, value))
+  # The soft CPU limit sends SIGXCPU (reported as "cpu_limit"); a program that catches it gets
+  # SIGKILL at the hard limit one second later.
+  resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_seconds"], lim["cpu_seconds"] + 1))
+  if cfg["uid"] is not None:
+    os.setgroups([])
+    for uid in (cfg["uid"], _FALLBACK_UID):
+      try:
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        break
+      except OSError:
+        if uid == _FALLBACK_UID:
+          raise
+  elif cfg["mode"] == "userns":
+    # Root inside the user namespace: empty the bounding and ambient capability sets and lock
+    # "no root privileges on exec", so the program cannot undo the read-only remounts.
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+      last_cap = int(f.read())
+    for cap in range(last_cap + 1):
+      _prctl(_PR_CAPBSET_DROP, cap)
+    _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
+    _prctl(_PR_SET_SECUREBITS, _SECBIT_NOROOT | _SECBIT_NOROOT_LOCKED)
+  _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, mount, ...) cannot regain privileges
+  for interpreter in cfg["interpreters"]:
+    if os.access(interpreter, os.X_OK):  # checked with the sandbox's (real) uid
+      break
+  else:
+    raise OSError(f"no Python interpreter executable by the sandbox uid among {cfg['interpreters']}")
+  if cfg["mode"] == "rlimits":
+    return interpreter, [interpreter, "-I", "-S", "-B", "-c", _AUDIT_BOOT]
+  return interpreter, [interpreter, "-I", "-S", "-B", "main.py"]
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--launch":
+  import marshal
+  sys.exit(_launcher(marshal.loads(bytes.fromhex(sys.argv[2]))))
+
+# ----------------------------------------------------------------------------------------------------
+# Caller side.
+
+import ast  # noqa: E402 - imported after the launcher entry point on purpose (see above)
+import dataclasses  # noqa: E402
+import logging  # noqa: E402
+import marshal  # noqa: E402
+import secrets  # noqa: E402
+import selectors  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from typing import Callable, Sequence  # noqa: E402
+
+MODES = ("namespaces", "userns", "rlimits")
+
+# Sandboxed runs get a random uid from this range: far above any allocated account (and above the
+# 16-bit ranges systemd hands out), so RLIMIT_NPROC counts only this run's processes and the uid
+# sweep after a run cannot hit anything else.
+SANDBOX_UID_RANGE = (1_700_000_000, 1_800_000_000)
+
+_UNSHARE_FLAGS = ("--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc")
+_SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """Resource limits of one sandboxed run.
+
+  Attributes:
+    cpu_seconds: CPU seconds per process (RLIMIT_CPU soft limit; SIGKILL one second later).
+    wall_seconds: Wall-clock seconds for the whole run, after which the process group is killed.
+    memory_bytes: Address-space limit per process (RLIMIT_AS). Python itself needs ~20 MiB.
+    max_output_bytes: stdout+stderr bytes kept; the run is killed when the program writes more.
+    max_file_bytes: Largest file the program may write (RLIMIT_FSIZE).
+    disk_bytes: Size of the tmpfs working directory (namespace modes only).
+    max_processes: Processes/threads the program may have at once (RLIMIT_NPROC).
+    max_open_files: File descriptors per process (RLIMIT_NOFILE).
+  """
+  cpu_seconds: int = 2
+  wall_seconds: float = 5.0
+  memory_bytes: int = 256 * 2**20
+  max_output_bytes: int = 64 * 2**10
+  max_file_bytes: int = 1 * 2**20
+  disk_bytes: int = 8 * 2**20
+  max_processes: int = 16
+  max_open_files: int = 64
+
+  def __post_init__(self):
+    if not isinstance(self.cpu_seconds, int) or self.cpu_seconds < 1:
+      raise ValueError(f"cpu_seconds must be an int >= 1, got {self.cpu_seconds!r}")
+    if not isinstance(self.wall_seconds, (int, float)) or not self.wall_seconds > 0:
+      raise ValueError(f"wall_seconds must be a number > 0, got {self.wall_seconds!r}")
+    minimums = dict(memory_bytes=32 * 2**20, max_output_bytes=1, max_file_bytes=4096,
+                    disk_bytes=64 * 2**10, max_processes=1, max_open_files=8)
+    for field, minimum in minimums.items():
+      value = getattr(self, field)
+      if not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{field} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+  """Outcome of one sandboxed run.
+
+  Attributes:
+    ok: The program exited with status 0 within every limit.
+    stdout: Captured standard output (UTF-8, invalid bytes replaced; at most max_output_bytes).
+    stderr: Captured standard error, same rules.
+    returncode: Exit status, or minus the signal number that killed the program; None when the run was
+      killed from outside before the program's status was known.
+    timed_out: The wall-clock limit was hit.
+    killed_reason: None for a normal exit (even a non-zero one), else why the run was stopped:
+      "wall_timeout", "output_limit", "cpu_limit" (SIGXCPU) or "signal:<NAME>".
+    mode: The isolation mode used (see `MODES`).
+  """
+  ok: bool
+  stdout: str
+  stderr: str
+  returncode: int | None
+  timed_out: bool
+  killed_reason: str | None
+  mode: str
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+    if self.ok and (self.returncode != 0 or self.killed_reason is not None or self.timed_out):
+      raise ValueError("ok=True requires returncode 0, no killed_reason and timed_out False")
+    if self.timed_out != (self.killed_reason == "wall_timeout"):
+      raise ValueError("timed_out must be True exactly when killed_reason is 'wall_timeout'")
+
+
+class SandboxError(RuntimeError):
+  """The sandbox itself could not be set up (never raised because of what the program does)."""
+
+
+def run_python(code: str, *, stdin: str = "", limits: Limits = Limits(), mode: str | None = None
+               ) -> SandboxResult:
+  """Runs `code` as a Python program in a fresh sandbox.
+
+  Args:
+    code: Program text (untrusted).
+    stdin: Text fed to the program's standard input.
+    limits: Resource limits.
+    mode: One of `MODES`, or None for the strongest mode that works here.
+
+  Returns:
+    The program's outcome. Misbehaviour of the program (crash, timeout, a limit) is reported here,
+    never raised.
+
+  Raises:
+    SandboxError: The sandbox cannot be set up in the requested mode.
+    ValueError: The program is larger than half the working directory.
+  """
+  if mode is None:
+    modes = available_modes()
+    if not modes:
+      raise SandboxError(f"no sandbox mode works here: {_probe_errors}")
+    mode = modes[0]
+    if mode == "rlimits" and not _warned:
+      _warned.append(True)
+      logging.getLogger(__name__).warning(
+          "sandbox: no namespaces available (%s); falling back to the weaker 'rlimits' mode",
+          _probe_errors.get("namespaces" if os.geteuid() == 0 else "userns"))
+  elif not _probe(mode):
+    raise SandboxError(f"sandbox mode {mode!r} does not work here: {_probe_errors.get(mode)}")
+  return _run(code, stdin, limits, mode)
+
+
+def available_modes() -> tuple[str, ...]:
+  """The isolation modes that work on this machine, strongest first (probed once, then cached)."""
+  return tuple(m for m in MODES if _probe(m))
+
+
+_warned: list[bool] = []
+_probe_lock = threading.Lock()
+_probe_results: dict[str, bool] = {}
+_probe_errors: dict[str, str] = {}
+
+
+def _probe(mode: str) -> bool:
+  """Whether `mode` works, found by running a trivial program in it, so that a missing interpreter or
+  a refused mount shows up as 'mode unavailable' and not as a failing model answer."""
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  with _probe_lock:
+    if mode not in _probe_results:
+      ok, why = False, ""
+      if mode == "namespaces" and os.geteuid() != 0:
+        why = "needs root"
+      elif mode == "userns" and os.geteuid() == 0:
+        why = "root uses 'namespaces' instead"
+      elif mode != "rlimits" and not shutil.which("unshare", path=_SYSTEM_PATH):
+        why = "no unshare binary"
+      else:
+        try:
+          result = _run("import sys; print(sys.version_info[0])", "", Limits(wall_seconds=30), mode)
+          ok = result.ok and result.stdout.strip() == "3"
+          why = "" if ok else f"probe program failed: {result}"
+        except SandboxError as e:
+          why = str(e)
+      _probe_results[mode], _probe_errors[mode] = ok, why
+    return _probe_results[mode]
+
+
+_pdeathsig: list[tuple[str, ...]] = []
+
+
+def _pdeathsig_prefix() -> tuple[str, ...]:
+  """`setpriv --pdeathsig KILL` when available: unshare then dies with the caller (and, through
+  --kill-child, the whole namespace) instead of lingering until the launcher's wall-clock backstop."""
+  if not _pdeathsig:
+    setpriv = shutil.which("setpriv", path=_SYSTEM_PATH)
+    ok = bool(setpriv) and "--pdeathsig" in subprocess.run(
+        [setpriv, "--help"], capture_output=True, text=True, env={}).stdout
+    _pdeathsig.append(("setpriv", "--pdeathsig", "KILL") if ok else ())
+  return _pdeathsig[0]
+
+
+def _interpreters() -> list[str]:
+  """Python interpreters the sandboxed uid may be able to run, best first (checked in the child)."""
+  names = [sys.executable, os.path.realpath(sys.executable), getattr(sys, "_base_executable", ""),
+           "/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"]
+  out = []
+  for n in names:
+    if n and os.path.isabs(n) and n not in out:
+      out.append(n)
+  return out
+
+
+def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
+  code_bytes = code.encode("utf-8", "surrogateescape")
+  if len(code_bytes) > limits.disk_bytes // 2:
+    raise ValueError(f"code is {len(code_bytes)} bytes; at most disk_bytes/2 = {limits.disk_bytes // 2}")
+  is_root = os.geteuid() == 0
+  uid = SANDBOX_UID_RANGE[0] + secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0])
+  workdir = tempfile.mkdtemp(prefix="dinfer-sandbox-")
+  interpreters = _interpreters()
+  hide = []
+  if mode == "userns":
+    # Same uid as the caller outside: cover its home so the program cannot read e.g. ~/.ssh, unless
+    # that would also hide every interpreter the program could run.
+    home = os.path.realpath(os.path.expanduser("~"))
+    outside = [p for p in interpreters if not _is_under(os.path.realpath(p), home)]
+    if home != "/" and os.path.isdir(home) and not _is_under(workdir, home) and any(
+        os.access(p, os.X_OK) for p in outside):
+      hide, interpreters = [home], outside
+  cfg = dict(mode=mode, workdir=workdir, uid=uid if is_root else None, interpreters=interpreters,
+             hide=hide, limits=dataclasses.asdict(limits))
+  if mode == "rlimits" and not is_root:
+    cfg["nproc_base"] = _count_tasks_of_uid(os.getuid())
+  proc = None
+  stopped = []  # [whether the launcher exited on its own terms], once the run was stopped
+
+  def stop() -> bool:
+    if not stopped:
+      stopped.append(_stop(proc, mode))
+    return stopped[0]
+
+  status_r, status_w = os.pipe()
+  code_file = tempfile.TemporaryFile()
+  stdin_file = tempfile.TemporaryFile()
+  try:
+    if mode == "rlimits" and is_root:
+      os.chown(workdir, uid, uid)
+    # Code and stdin travel as inherited, already-unlinked files: nothing to clean up, no pipe to keep
+    # fed, no path the program could find.
+    code_file.write(code_bytes)
+    code_file.seek(0)
+    stdin_file.write(stdin.encode("utf-8", "surrogateescape"))
+    stdin_file.seek(0)
+    cfg.update(code_fd=code_file.fileno(), status_fd=status_w)
+    launcher = [sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), "--launch",
+                marshal.dumps(cfg).hex()]
+    if mode == "namespaces":
+      argv = [*_pdeathsig_prefix(), "unshare", *_UNSHARE_FLAGS, "--", *launcher]
+    elif mode == "userns":
+      argv = [*_pdeathsig_prefix(), "unshare", "--user", "--map-root-user", *_UNSHARE_FLAGS, "--", *launcher]
+    else:
+      argv = launcher
+    # No caller environment for the launcher either: in userns/rlimits mode a same-uid program could
+    # otherwise read it from /proc/<launcher pid>/environ.
+    proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            pass_fds=(code_file.fileno(), status_w), start_new_session=True,
+                            env={"PATH": _SYSTEM_PATH}, close_fds=True)
+    os.close(status_w)
+    status_w = -1
+    out, err, status, timed_out, over_output = _collect(proc, status_r, limits, stop)
+  except FileNotFoundError as e:
+    raise SandboxError(f"cannot start the sandbox: {e}") from e
+  finally:
+    if status_w >= 0:
+      os.close(status_w)
+    os.close(status_r)
+    code_file.close()
+    stdin_file.close()
+    clean = stop() if proc is not None else True
+    if mode == "rlimits" and is_root and not clean:
+      _sweep_uid(uid)
+    _rmtree(workdir)
+  if "error" in status:
+    raise SandboxError(f"sandbox setup failed ({mode}): {status['error']}")
+  returncode = status.get("exit", -status["signal"] if "signal" in status else None)
+  killed_reason = None
+  if timed_out:
+    killed_reason = "wall_timeout"
+  elif over_output:
+    killed_reason = "output_limit"
+  elif "signal" in status:
+    sig = status["signal"]
+    killed_reason = "cpu_limit" if sig == signal.SIGXCPU else f"signal:{_signal_name(sig)}"
+  elif returncode is None:
+    killed_reason = "signal:unknown"  # the launcher died without reporting (killed from outside)
+  text = lambda b: b[:limits.max_output_bytes].decode("utf-8", "replace")
+  return SandboxResult(ok=returncode == 0 and killed_reason is None, stdout=text(out), stderr=text(err),
+                       returncode=returncode, timed_out=timed_out, killed_reason=killed_reason, mode=mode)
+
+
+def _collect(proc: subprocess.Popen, status_r: int, limits: Limits, stop: Callable[[], bool]):
+  """Reads stdout/stderr/status until the launcher is done, enforcing wall time and output size.
+
+  Returns:
+    (stdout bytes, stderr bytes, status dict, timed_out, over_output).
+  """
+  out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+  bufs = {out_fd: bytearray(), err_fd: bytearray(), status_r: bytearray()}
+  sel = selectors.DefaultSelector()
+  for fd in bufs:
+    os.set_blocking(fd, False)
+    sel.register(fd, selectors.EVENT_READ)
+  deadline = time.monotonic() + limits.wall_seconds
+  timed_out = over_output = False
+  drain_until = None  # once the launcher is done or the run was killed: read what is left, briefly
+  try:
+    while sel.get_map():
+      now = time.monotonic()
+      if now >= (drain_until or deadline):
+        if drain_until is not None:
+          break
+        timed_out = True
+        stop()
+        drain_until = time.monotonic() + 0.5
+        continue
+      for key, _ in sel.select((drain_until or deadline) - now):
+        try:
+          data = os.read(key.fd, 65536)
+        except BlockingIOError:
+          continue
+        if not data:
+          sel.unregister(key.fd)
+          if key.fd == status_r and drain_until is None:
+            # The launcher exited. Whatever still holds stdout open is a leftover background process
+            # (possible only without a pid namespace): stop soon rather than wait for the deadline.
+            drain_until = time.monotonic() + 0.5
+          continue
+        bufs[key.fd] += data
+        if key.fd != status_r and not over_output and (
+            len(bufs[out_fd]) + len(bufs[err_fd]) > limits.max_output_bytes):
+          over_output = True
+          stop()
+          drain_until = time.monotonic() + 0.5
+  finally:
+    sel.close()
+  status = {}
+  for line in bufs[status_r].decode("utf-8", "replace").splitlines():
+    kind, _, value = line.partition(" ")
+    status[kind] = value if kind == "error" else int(value)
+  return bytes(bufs[out_fd]), bytes(bufs[err_fd]), status, timed_out, over_output
+
+
+def _stop(proc: subprocess.Popen, mode: str) -> bool:
+  """Ends a run. Returns whether the launcher exited on its own terms, i.e. after cleaning up behind
+  the program.
+
+  The launcher is asked (SIGUSR1) to kill the program; it then cleans up and exits, which in the
+  namespace modes tears the pid namespace down (the kernel kills and reaps every process in it before
+  the launcher's exit completes) and in "rlimits" mode runs its own cleanup. Waiting for that, rather
+  than killing everything at once, means no process of the run is left when `run_python` returns.
+  Killing the group is the fallback.
+  """
+  clean = _wait_unreaped(proc, 0)
+  if not clean:
+    _signal_launcher(proc, mode)
+    clean = _wait_unreaped(proc, 3.0)
+  # The launcher (or unshare) is still unreaped here, so its pid (= the group id) cannot have been
+  # reused: killpg only reaches this run's processes.
+  try:
+    os.killpg(proc.pid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+  proc.wait()
+  return clean
+
+
+def _signal_launcher(proc: subprocess.Popen, mode: str) -> None:
+  """Sends SIGUSR1 to the launcher: our child in "rlimits" mode, else unshare's only child."""
+  if mode == "rlimits":
+    try:
+      proc.send_signal(signal.SIGUSR1)
+    except ProcessLookupError:
+      pass
+    return
+  for pid in _children_of(proc.pid):
+    # Through a pidfd, and only if the pid still belongs to a child of unshare (which forks once and
+    # is our unreaped child): a launcher that just exited cannot have its pid recycled under us.
+    try:
+      fd = os.pidfd_open(pid)
+    except OSError:
+      continue
+    try:
+      if pid in _children_of(proc.pid):
+        signal.pidfd_send_signal(fd, signal.SIGUSR1)
+    except OSError:
+      pass
+    finally:
+      os.close(fd)
+
+
+def _wait_unreaped(proc: subprocess.Popen, timeout: float) -> bool:
+  """Waits up to `timeout` s for the launcher to exit, leaving it a zombie (WNOWAIT)."""
+  deadline = time.monotonic() + timeout
+  while True:
+    if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+      return True
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(0.005)
+
+
+_SWEEP = """
+import os, signal, sys
+uid = int(sys.argv[1])
+os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
+# kill(-1) as that uid reaches every process of the uid, including ones that left the process group.
+for _ in range(100):
+  try:
+    os.kill(-1, signal.SIGKILL)
+  except ProcessLookupError:
+    break
+"""
+
+
+def _sweep_uid(uid: int) -> None:
+  """Kills every process left running as the sandbox uid (rlimits mode as root has no pid namespace)."""
+  subprocess.run([sys.executable, "-I", "-S", "-c", _SWEEP, str(uid)], env={}, check=False,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+
+
+def _rmtree(path: str) -> None:
+  def onexc(func, p, exc_info):
+    # A program may have made its own files or directories unwritable; undo that and retry once.
+    try:
+      os.chmod(os.path.dirname(p), 0o700)
+      if os.path.isdir(p) and not os.path.islink(p):
+        os.chmod(p, 0o700)
+        shutil.rmtree(p, ignore_errors=True)
+      else:
+        func(p)
+    except OSError:
+      pass
+  shutil.rmtree(path, onerror=onexc)
+
+
+def _count_tasks_of_uid(uid: int) -> int:
+  """Threads currently owned by `uid` (what RLIMIT_NPROC counts)."""
+  n = 0
+  for pid in os.listdir("/proc"):
+    if pid.isdigit():
+      try:
+        if os.stat(f"/proc/{pid}").st_uid == uid:
+          n += len(os.listdir(f"/proc/{pid}/task"))
+      except OSError:
+        pass
+  return n
+
+
+def _is_under(path: str, root: str) -> bool:
+  return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _signal_name(sig: int) -> str:
+  try:
+    return signal.Signals(sig).name
+  except ValueError:
+    return str(sig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Expression evaluation: the program-synthesis verifier's entry point.
+
+# Names an answer expression may use. This is a cheap early rejection only (it saves a process launch
+# on garbage from an untrained model); the sandbox is what makes running the expression safe.
+EXPRESSION_NAMES = frozenset({"x", "abs", "min", "max"})
+MAX_EXPRESSION_CHARS = 200
+
+# The whole evaluation is one process per problem. Plain text out (no json import in the child: the
+# interpreter start dominates the cost of a check).
+_EVAL_PROGRAM = """
+import sys
+expr = compile({expr!r}, "<answer>", "eval")
+env = {{"__builtins__": {{"abs": abs, "min": min, "max": max}}}}
+out = []
+for x in {inputs!r}:
+  y = eval(expr, env, {{"x": x}})
+  if type(y) is not int:
+    sys.exit("answer produced " + type(y).__name__ + ", not int")
+  out.append(str(y))
+print(" ".join(out))
+"""
+
+EVAL_LIMITS = Limits(cpu_seconds=1, wall_seconds=5.0, memory_bytes=128 * 2**20, max_output_bytes=16384)
+
+
+def parse_expression(expr: str) -> ast.Expression | None:
+  """Parses an answer as a Python expression over `EXPRESSION_NAMES`; None when it is not one.
+
+  Parsing never runs the code (`ast.parse` does not even fold constants), so it is safe in-process.
+  """
+  if not isinstance(expr, str) or len(expr) > MAX_EXPRESSION_CHARS:
+    return None
+  try:
+    tree = ast.parse(expr.strip(), mode="eval")
+  except (SyntaxError, ValueError, MemoryError, RecursionError):
+    return None
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Name) and node.id not in EXPRESSION_NAMES:
+      return None
+    if isinstance(node, (ast.Attribute, ast.Lambda, ast.NamedExpr, ast.Starred, ast.Await, ast.Yield,
+                         ast.YieldFrom)):
+      return None
+  return tree
+
+
+def eval_expression(expr: str, inputs: Sequence[int], *, limits: Limits = EVAL_LIMITS,
+                    mode: str | None = None) -> list[int] | None:
+  """Evaluates the untrusted expression `expr` in `x` at every input, in one sandboxed process.
+
+  Args:
+    expr: Expression text, e.g. "x*3+2".
+    inputs: Integer values for x.
+    limits: Sandbox limits for the whole evaluation.
+    mode: Sandbox mode (None: strongest available).
+
+  Returns:
+    One int per input, or None when the text is not an expression over `EXPRESSION_NAMES` or the
+    evaluation fails in any way (exception, non-int result, timeout, a limit).
+  """
+  if parse_expression(expr) is None:
+    return None
+  inputs = [int(v) for v in inputs]
+  result = run_python(_EVAL_PROGRAM.format(expr=expr.strip(), inputs=inputs), limits=limits, mode=mode)
+  if not result.ok:
+    return None
+  try:
+    out = [int(tok) for tok in result.stdout.split()]
+  except ValueError:
+    return None
+  return out if len(out) == len(inputs) else None

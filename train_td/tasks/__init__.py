@@ -1,0 +1,27 @@
+"""Verifiable tasks for training and evaluating small diffusion LMs.
+
+Usage:
+
+  from train_td import tasks
+  task = tasks.get_task("arithmetic")
+  train = tasks.train_problems(task, 10_000, seed=0)   # or tasks.iter_problems(task, "train", seed)
+  test = tasks.test_problems(task, 500)                  # disjoint from every training draw
+  ok = task.check(test[0], model_answer_text)
+
+Built-in tasks ("arithmetic", "program") are registered on import. To add one, subclass `Task`
+(`name`, `generate`, `check`) and call `register_task(MyTask())`.
+"""
+from train_td.tasks.arithmetic import ArithmeticTask
+from train_td.tasks.base import (Problem, Split, Task, check_all, get_task, iter_problems, key_split,
+                                 problem_split, register_task, task_names, test_problems,
+                                 train_problems)
+from train_td.tasks.program import DOMAIN, FAMILIES, Family, ProgramTask, canonical_functions
+
+ARITHMETIC = register_task(ArithmeticTask())
+PROGRAM = register_task(ProgramTask())
+
+__all__ = [
+    "ARITHMETIC", "ArithmeticTask", "DOMAIN", "FAMILIES", "Family", "PROGRAM", "Problem", "ProgramTask",
+    "Split", "Task", "canonical_functions", "check_all", "get_task", "iter_problems", "key_split",
+    "problem_split", "register_task", "task_names", "test_problems", "train_problems",
+]

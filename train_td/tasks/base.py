@@ -1,0 +1,192 @@
+"""Problems, the task interface and registry, and the train/test split.
+
+A task draws random problems from a numpy Generator and verifies answer text. The split is fixed by
+hashing each problem's *split keys* (not by the seed): a problem is a test problem iff every one of its
+keys hashes below the task's test fraction, a training problem iff every key hashes above it, and is
+dropped otherwise. So train and test are disjoint in every key, for every seed, by construction; e.g.
+program-synthesis problems have two keys (the function and the prompt), so a held-out function is never
+trained on with any inputs and a held-out prompt never appears in training even for another function.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+from typing import ClassVar, Iterator, Literal, Sequence
+
+import numpy as np
+
+Split = Literal["train", "test"]
+
+# Part of every split hash. Changing it reshuffles which problems are held out, so it carries a version.
+_SPLIT_SALT = "dinfer-jax/train_td/split/v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """One task instance.
+
+  Attributes:
+    task: Name of the task that made it.
+    prompt: What the model sees, in the internal prompt format (e.g. "348+279").
+    answer: Canonical reference answer text (e.g. "627", "x*3+2"), usable as a training target.
+    split_keys: Canonical identities of the problem; the split is decided on these (see module doc).
+    examples: Input/output pairs shown in the prompt (program synthesis), else empty.
+    tests: Held-out input/output pairs the verifier also checks (program synthesis), else empty.
+  """
+  task: str
+  prompt: str
+  answer: str
+  split_keys: tuple[str, ...]
+  examples: tuple[tuple[int, int], ...] = ()
+  tests: tuple[tuple[int, int], ...] = ()
+
+  def __post_init__(self):
+    for field in ("task", "prompt", "answer"):
+      value = getattr(self, field)
+      if not isinstance(value, str) or not value:
+        raise ValueError(f"{field} must be a non-empty str, got {value!r}")
+    if not isinstance(self.split_keys, tuple) or not self.split_keys or not all(
+        isinstance(k, str) and k for k in self.split_keys):
+      raise ValueError(f"split_keys must be a non-empty tuple of non-empty str, got {self.split_keys!r}")
+    for field in ("examples", "tests"):
+      pairs = getattr(self, field)
+      if not isinstance(pairs, tuple) or not all(
+          isinstance(p, tuple) and len(p) == 2 and all(type(v) is int for v in p) for p in pairs):
+        raise ValueError(f"{field} must be a tuple of (int, int) pairs, got {pairs!r}")
+
+
+class Task(abc.ABC):
+  """A family of verifiable problems.
+
+  Subclasses set `name` (the registry key, also part of the split hash) and may set `test_fraction`.
+  `check` must never raise on malformed answer text and must run model-written code only through
+  `train_td.sandbox`.
+  """
+  name: ClassVar[str]
+  test_fraction: ClassVar[float] = 0.1
+
+  @abc.abstractmethod
+  def generate(self, rng: np.random.Generator) -> Problem:
+    """Draws one problem; deterministic given the generator's state."""
+
+  @abc.abstractmethod
+  def check(self, problem: Problem, answer_text: str) -> bool:
+    """Whether `answer_text` (model output, untrusted) solves `problem`."""
+
+
+_REGISTRY: dict[str, Task] = {}
+
+
+def register_task(task: Task, *, replace: bool = False) -> Task:
+  """Adds a task instance to the registry under `task.name`.
+
+  Args:
+    task: The task.
+    replace: Allow overwriting a task of the same name.
+
+  Returns:
+    `task`, so that a module can write `ARITHMETIC = register_task(ArithmeticTask())`.
+
+  Raises:
+    ValueError: For a non-Task, a bad test_fraction, or a name already taken (unless replace).
+  """
+  if not isinstance(task, Task):
+    raise ValueError(f"task must be a Task instance, got {task!r}")
+  if not isinstance(getattr(task, "name", None), str) or not task.name:
+    raise ValueError(f"task.name must be a non-empty str, got {getattr(task, 'name', None)!r}")
+  if not 0.0 < task.test_fraction < 1.0:
+    raise ValueError(f"test_fraction must be in (0, 1), got {task.test_fraction!r}")
+  if task.name in _REGISTRY and not replace:
+    raise ValueError(f"name {task.name!r} is already registered")
+  _REGISTRY[task.name] = task
+  return task
+
+
+def get_task(name: str) -> Task:
+  """The registered task called `name` (ValueError listing the known ones otherwise)."""
+  if name not in _REGISTRY:
+    raise ValueError(f"name: unknown task {name!r}; known: {sorted(_REGISTRY)}")
+  return _REGISTRY[name]
+
+
+def task_names() -> tuple[str, ...]:
+  """Names of all registered tasks, sorted."""
+  return tuple(sorted(_REGISTRY))
+
+
+def key_split(task: Task, key: str) -> Split:
+  """The split one key hashes to (a fixed function of task name and key; no seed involved)."""
+  digest = hashlib.blake2b(f"{_SPLIT_SALT}|{task.name}|{key}".encode(), digest_size=8).digest()
+  return "test" if int.from_bytes(digest, "big") / 2.0**64 < task.test_fraction else "train"
+
+
+def problem_split(task: Task, problem: Problem) -> Split | None:
+  """The split a problem belongs to, or None when its keys disagree (it is then used by neither)."""
+  splits = {key_split(task, k) for k in problem.split_keys}
+  return splits.pop() if len(splits) == 1 else None
+
+
+def iter_problems(task: Task | str, split: Split, seed: int, *, unique: bool = False,
+                  max_attempts: int | None = None) -> Iterator[Problem]:
+  """Endless stream of problems of one split, deterministic for (task, split, seed).
+
+  Args:
+    task: A task or a registered name.
+    split: "train" or "test".
+    seed: Sampling seed. It does not move the split: held-out problems stay held out for every seed.
+    unique: Skip problems whose prompt was already yielded.
+    max_attempts: Stop (RuntimeError) after this many draws without a new problem; default scales
+      with the rarity of the split.
+
+  Yields:
+    Problems `p` with `problem_split(task, p) == split`.
+  """
+  task = get_task(task) if isinstance(task, str) else task
+  if split not in ("train", "test"):
+    raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+  if max_attempts is None:
+    max_attempts = 100_000
+  # Different streams for train and test so that the same seed does not pair them up.
+  rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+  seen: set[str] = set()
+  misses = 0
+  while True:
+    problem = task.generate(rng)
+    if problem_split(task, problem) != split or (unique and problem.prompt in seen):
+      misses += 1
+      if misses >= max_attempts:
+        raise RuntimeError(f"{task.name}: no new {split} problem in {max_attempts} draws")
+      continue
+    misses = 0
+    if unique:
+      seen.add(problem.prompt)
+    yield problem
+
+
+def train_problems(task: Task | str, n: int, seed: int) -> list[Problem]:
+  """`n` training problems (repeats possible, as in sampling), deterministic for the seed."""
+  return _take(iter_problems(task, "train", seed), n)
+
+
+def test_problems(task: Task | str, n: int, seed: int = 0) -> list[Problem]:
+  """`n` distinct held-out problems, none of which can occur in any `train_problems` output."""
+  return _take(iter_problems(task, "test", seed, unique=True), n)
+
+
+# pytest would otherwise collect `test_problems` from any test module that imports it by name.
+test_problems.__test__ = False
+
+
+def _take(it: Iterator[Problem], n: int) -> list[Problem]:
+  if not isinstance(n, int) or n < 0:
+    raise ValueError(f"n must be an int >= 0, got {n!r}")
+  return [next(it) for _ in range(n)]
+
+
+def check_all(task: Task | str, problems: Sequence[Problem], answers: Sequence[str]) -> list[bool]:
+  """`task.check` over paired problems and answers."""
+  task = get_task(task) if isinstance(task, str) else task
+  if len(problems) != len(answers):
+    raise ValueError(f"answers: {len(answers)} answers for {len(problems)} problems")
+  return [task.check(p, a) for p, a in zip(problems, answers)]

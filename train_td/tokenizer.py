@@ -1,0 +1,157 @@
+"""Character-level tokenizer for the small verifiable-task models.
+
+One token per character keeps the vocabulary tiny (the embedding of a few-million-parameter model would
+otherwise dominate it) and makes digits, operators and expression syntax individually visible to the
+model, which is what arithmetic and short expressions need. Layout (ids are stable; checkpoints depend
+on them):
+
+  0 <|pad|>  1 <|eos|>  2 <|mask|>  3 <|unk|>  4 <|user|>  5 <|assistant|>
+  6..102    the 95 printable ASCII characters (space..~), then "\\n" and "\\t"
+  103..127  <|reserved_0|>..<|reserved_24|>: room for future special tokens without moving any id,
+            and a vocabulary size that is a multiple of 64.
+
+Anything else (e.g. "é") encodes to <|unk|>. Prompt format: "<|user|>{prompt}<|assistant|>{answer}<|eos|>",
+where {prompt} is the task's internal prompt ("348+279", "f(1)=5;f(2)=8;f(4)=14"). The saved
+chat_template normalises a natural question onto that prompt exactly like `format_prompt` does, so
+`dinfer-jax generate "What is 348 + 279?"` reaches the model as "<|user|>348+279<|assistant|>".
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN, EOS_TOKEN, MASK_TOKEN, UNK_TOKEN = "<|pad|>", "<|eos|>", "<|mask|>", "<|unk|>"
+USER_TOKEN, ASSISTANT_TOKEN = "<|user|>", "<|assistant|>"
+SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, MASK_TOKEN, UNK_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
+PAD_ID, EOS_ID, MASK_ID, UNK_ID, USER_ID, ASSISTANT_ID = range(len(SPECIAL_TOKENS))
+CHARACTERS = tuple(chr(c) for c in range(32, 127)) + ("\n", "\t")
+VOCAB_SIZE = 128
+RESERVED_TOKENS = tuple(
+    f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - len(CHARACTERS)))
+
+# Question normalisation (arithmetic only). Applied in this order, after lower-casing and removing all
+# whitespace, so "What  is" and "multiplied by" match however they are spaced. Plain str.replace steps
+# only: the chat template below repeats them in Jinja, and both must agree on every input.
+_WHITESPACE = (" ", "\t", "\n", "\r")
+_QUESTION_WORDS = ("whatis", "what's", "what\u2019s", "howmuchis", "calculate", "compute", "please")
+_OPERATOR_WORDS = (("multipliedby", "*"), ("times", "*"), ("plus", "+"), ("minus", "-"),
+                   ("\u00d7", "*"), ("\u2212", "-"), ("x", "*"))
+_DROPPED = ("?", "=", "!")
+# Program-synthesis prompts ("f(1)=5;...") contain this and pass through unchanged (but stripped).
+PROGRAM_MARKER = "f("
+
+
+def format_prompt(question: str) -> str:
+  """Maps a natural question onto the internal prompt format.
+
+  "What is 348 + 279?", "348 plus 279 =", "what's 12 x 13" and "12 times 13." become "348+279" and
+  "12*13"; prompts already in the internal format are returned unchanged (the mapping is idempotent).
+  Program-synthesis prompts (containing "f(") are only stripped.
+
+  Args:
+    question: Free text from a user.
+
+  Returns:
+    The prompt text the model was trained on.
+  """
+  q = question.strip()
+  if PROGRAM_MARKER in q:
+    return q
+  q = q.lower()
+  for w in _WHITESPACE + _QUESTION_WORDS:
+    q = q.replace(w, "")
+  for w, op in _OPERATOR_WORDS:
+    q = q.replace(w, op)
+  for w in _DROPPED:
+    q = q.replace(w, "")
+  return q.rstrip(".")
+
+
+def format_chat(question: str, answer: str | None = None) -> str:
+  """The model's full text for one exchange: what the chat template renders for it.
+
+  Args:
+    question: User question or internal prompt (normalised with `format_prompt`).
+    answer: Reference answer; None renders the generation prompt (ending in <|assistant|>).
+  """
+  text = USER_TOKEN + format_prompt(question) + ASSISTANT_TOKEN
+  return text if answer is None else text + answer + EOS_TOKEN
+
+
+def _jinja_str(s: str) -> str:
+  # JSON escapes are valid Jinja string-literal escapes (Jinja decodes literals with unicode-escape).
+  return json.dumps(s)
+
+
+def _chat_template() -> str:
+  normalise = "".join(f"{{%- set q = q.replace({_jinja_str(w)}, '') -%}}"
+                      for w in _WHITESPACE + _QUESTION_WORDS)
+  normalise += "".join(f"{{%- set q = q.replace({_jinja_str(w)}, {_jinja_str(op)}) -%}}"
+                       for w, op in _OPERATOR_WORDS)
+  normalise += "".join(f"{{%- set q = q.replace({_jinja_str(w)}, '') -%}}" for w in _DROPPED)
+  return (
+      "{%- for message in messages -%}"
+      "{%- if message['role'] == 'user' -%}"
+      "{%- set q = message['content'] | trim -%}"
+      f"{{%- if {_jinja_str(PROGRAM_MARKER)} not in q -%}}"
+      "{%- set q = q | lower -%}" + normalise + "{%- set q = q.rstrip('.') -%}"
+      "{%- endif -%}"
+      f"{{{{- {_jinja_str(USER_TOKEN)} + q -}}}}"
+      "{%- elif message['role'] == 'assistant' -%}"
+      f"{{{{- {_jinja_str(ASSISTANT_TOKEN)} + message['content'] + {_jinja_str(EOS_TOKEN)} -}}}}"
+      "{%- endif -%}"
+      "{%- endfor -%}"
+      f"{{%- if add_generation_prompt -%}}{{{{- {_jinja_str(ASSISTANT_TOKEN)} -}}}}{{%- endif -%}}")
+
+
+CHAT_TEMPLATE = _chat_template()
+
+
+def build_raw_tokenizer() -> Tokenizer:
+  """The `tokenizers` object: WordLevel over single characters, specials matched first."""
+  vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARACTERS + RESERVED_TOKENS)}
+  assert len(vocab) == VOCAB_SIZE, "characters or special tokens are duplicated"
+  tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+  # Every character is its own piece (newlines included, hence [\s\S] rather than "."); the decoder
+  # concatenates pieces back without inserting spaces, so decode(encode(s)) == s.
+  tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+  tok.decoder = decoders.Fuse()
+  tok.add_special_tokens(list(SPECIAL_TOKENS + RESERVED_TOKENS))
+  return tok
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+  """The tokenizer as a transformers object, with special tokens and chat template set."""
+  return PreTrainedTokenizerFast(
+      tokenizer_object=build_raw_tokenizer(), pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
+      mask_token=MASK_TOKEN, unk_token=UNK_TOKEN, extra_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN],
+      # The default cleanup would turn "3 ." into "3." and break the round trip.
+      clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE)
+
+
+def save_tokenizer(directory: str | os.PathLike) -> PreTrainedTokenizerFast:
+  """Writes tokenizer.json, tokenizer_config.json (and friends) for `AutoTokenizer.from_pretrained`.
+
+  Returns:
+    The saved tokenizer.
+  """
+  tok = build_tokenizer()
+  tok.save_pretrained(os.fspath(directory))
+  # transformers 5 records its internal class name ("TokenizersBackend"), which 4.x cannot resolve;
+  # "PreTrainedTokenizerFast" loads the same tokenizer.json under both.
+  config_path = os.path.join(os.fspath(directory), "tokenizer_config.json")
+  with open(config_path) as f:
+    config = json.load(f)
+  config["tokenizer_class"] = "PreTrainedTokenizerFast"
+  with open(config_path, "w") as f:
+    json.dump(config, f, indent=2, sort_keys=True)
+    f.write("\n")
+  return tok
+
+
+def special_token_ids() -> dict[str, int]:
+  """Ids of the special tokens, by token text."""
+  return {t: i for i, t in enumerate(SPECIAL_TOKENS)}
