@@ -1,0 +1,48 @@
+"""dinfer-jax generate: prints the answer, --show-steps shows every forward, bad knobs exit 2 in one line."""
+import pathlib
+import re
+
+import pytest
+
+from dinfer_jax import cli
+
+MODEL = str(pathlib.Path(__file__).parent / "golden" / "decode" / "A")
+KNOBS = ["--gen-length", "16", "--block-length", "8", "--mask-id", "509", "--eos-id", "506"]
+
+
+def test_generate_show_steps(capsys):
+  assert cli.main(["generate", "--model", MODEL, "--show-steps", "--cache", "dual", *KNOBS, "1,2,3,4,5"]) == 0
+  out = capsys.readouterr().out.strip().splitlines()
+  steps = [l for l in out if re.match(r"^\s*\d+ \+\d+ ", l)]
+  assert steps and [int(l[:4]) for l in steps] == list(range(1, len(steps) + 1))
+  # Every generated position is committed at exactly one step: the final line lists them all.
+  assert "_" not in steps[-1]
+  assert "[" in steps[0]  # newly committed tokens are bracketed
+  answer = out[-1].split()
+  assert len(answer) == 16 and all(t.isdigit() for t in answer)
+
+
+def test_every_generation_knob_is_a_flag():
+  import dataclasses
+  from dinfer_jax.engine.config import GenerationConfig
+  ap = cli.build_parser()
+  sub = ap._subparsers._group_actions[0].choices["generate"]
+  flags = {o for a in sub._actions for o in a.option_strings}
+  for f in dataclasses.fields(GenerationConfig):
+    assert "--" + f.name.replace("_", "-") in flags
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--threshold", "1.5"], "threshold"),
+    (["--decoder", "greedy"], "decoder"),
+    (["--prefix-look", "4"], "dual"),
+])
+def test_bad_knobs_exit_2_with_one_line(argv, msg, capsys):
+  assert cli.main(["generate", "--model", MODEL, *KNOBS, *argv, "1,2,3"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error:") and msg in err and len(err.splitlines()) == 1
+
+
+def test_text_prompt_without_tokenizer_is_a_clear_error():
+  with pytest.raises(SystemExit, match="no tokenizer"):
+    cli.main(["generate", "--model", MODEL, *KNOBS, "hello there"])
