@@ -21,6 +21,7 @@ that plan, so the two directions cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Sequence
 
@@ -186,8 +187,12 @@ class Rule:
 
   @property
   def regex(self) -> re.Pattern:
-    pat = re.escape(self.hf).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
-    return re.compile(pat)
+    return _template_regex(self.hf)
+
+
+@functools.lru_cache(maxsize=None)
+def _template_regex(template: str) -> re.Pattern:
+  return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)"))
 
 
 LLADA_MOE_RULES: tuple[Rule, ...] = (
@@ -429,10 +434,6 @@ def detect_layout(family: str, keys: Sequence[str]) -> str:
   if fused and per:
     raise CheckpointError(f"mixed expert layouts: {fused!r} is fused but {per!r} is per-expert")
   return "fused" if fused else "per_expert"
-
-
-def leaf_paths(cfg: ModelConfig) -> list[tuple[str, ...]]:
-  return [tuple(p.key for p in path) for path, _ in _flatten(abstract_params(cfg))]
 
 
 def group_by_leaf(entries: Sequence[Entry]) -> dict[tuple[str, ...], list[tuple[Entry, int]]]:

@@ -16,7 +16,7 @@ import math
 import os
 import pathlib
 import struct
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -189,7 +189,10 @@ class WeightSet:
       weight_map = None
       files = [SINGLE_NAME]
     else:
-      raise CheckpointError(f"{self.dir}: no {SINGLE_NAME} or {INDEX_NAME}")
+      other = sorted(p.name for p in self.dir.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
+      hint = f" (found {', '.join(other[:3])}; only safetensors with an index, or a single {SINGLE_NAME}, are read)" \
+          if other else ""
+      raise CheckpointError(f"{self.dir}: no {SINGLE_NAME} or {INDEX_NAME}{hint}")
     self.tensors: dict[str, TensorInfo] = {}
     for fname in files:
       path = self.dir / fname
@@ -319,10 +322,3 @@ def write_checkpoint(directory: os.PathLike, tensors: Sequence[OutTensor],
   (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
   return weight_map
 
-
-def iter_files(tensors: Iterable[TensorInfo]) -> Iterator[pathlib.Path]:
-  seen = set()
-  for t in tensors:
-    if t.file not in seen:
-      seen.add(t.file)
-      yield t.file

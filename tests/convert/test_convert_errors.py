@@ -246,3 +246,12 @@ def test_save_converted_checks_tree(tmp_path):
                      r"\(2, 64, 4, 16\)"):
     ck.save_converted(tmp_path / "out", params, raw)
   assert leftovers(tmp_path, "out") == []
+
+
+def test_torch_bin_only(tmp_path):
+  src = tmp_path / "src"
+  src.mkdir()
+  (src / "config.json").write_text(json.dumps(load_config("llada")))
+  (src / "pytorch_model.bin").write_bytes(b"\0" * 16)
+  _convert_fails(tmp_path, src, ck.CheckpointError, r"no model\.safetensors or model\.safetensors\.index\.json "
+                 r"\(found pytorch_model\.bin; only safetensors")

@@ -208,3 +208,20 @@ def test_inspect_both_formats(tmp_path):
   assert rows["moe_layers.expert_bias"] == ((2, 16), "float32")
   assert rows["lm_head"] == ((64, 512), "bfloat16")
   assert rows["dense_layers.q"] == ((1, 64, 4, 16), "bfloat16")
+
+
+def test_save_converted_numpy_and_jax_trees(tmp_path):
+  """save_converted takes what load_hf_params / load_converted return (numpy or jax arrays)."""
+  raw = json.loads((MODELS["llada2_moe"] / "config.json").read_text())
+  p = ck.load_hf_params(MODELS["llada2_moe"], dtype="float32")
+  s = ck.save_converted(tmp_path / "np", p, raw, layout="per_expert")
+  assert s["dtype"] == "float32" and s["n_params"] == 338496
+  meta = json.loads((tmp_path / "np" / "dinfer_jax.json").read_text())
+  assert meta["source_dtype"] == "float32" and meta["family"] == "llada2_moe"
+  q, cfg, raw2 = ck.load_converted(tmp_path / "np")
+  assert raw2 == raw and jax.tree.all(jax.tree.map(lambda a, b: _same(np.asarray(a), b), q, p))
+  ck.save_converted(tmp_path / "jx", q, raw, layout="fused", source_dtype="bfloat16")
+  ck.jax2hf(tmp_path / "jx", tmp_path / "hf")  # fused, bf16: the recorded defaults
+  keys = raw_tensors(tmp_path / "hf")
+  assert "model.layers.2.mlp.w2" in keys and keys["model.layers.2.mlp.w2"][0] == "BF16"
+  assert keys["model.layers.2.mlp.gate.expert_bias"][0] == "F32"
