@@ -23,7 +23,8 @@ peaks 1 GiB higher). We save through our own handler registry instead:
     one chunk that tensorstore writes straight from our array. Measured on a 448 MiB leaf: +0.8x the leaf
     with orbax's default zstd (compressed chunks are buffered until commit), and a 2.5 GiB leaf split at
     2 GiB into chunks was copied whole (+1.0x); with both off the save adds nothing to the leaf.
-The files are an ordinary orbax checkpoint: StandardCheckpointer restores them (load_converted).
+The files are an ordinary orbax checkpoint (StandardCheckpointer().restore works on params/); load_converted
+restores them leaf by leaf so the host never holds more than the result plus one leaf in flight.
 
 Every write goes to a temporary sibling directory that is renamed to DST at the very end and removed on
 any failure, so DST either is complete or does not exist.

@@ -14,6 +14,9 @@ Transforms (torch Linear weights are [out, in], our kernels [in, out], heads spl
   fused_w13  [E, 2F, D] -> gate, up [E, D, F]         dInfer fused experts: w1 = stack_e(cat(gate_e, up_e))
   fused_w2   [E, D, F] -> down [E, F, D]              w2 = stack_e(down_e)
 
+Layouts: 'per_expert' (the HF release: one tensor per expert and projection) and 'fused' (dInfer's
+tools/transfer.py output: mlp.w1/w2 per layer). Dense LLaDA has no experts; it is always 'per_expert'.
+
 `plan(cfg, layout)` expands the table into one `Entry` per HF tensor, and checks that the entries cover
 every element of every param exactly once; the loader, the writer (jax2hf) and `expected_hf_keys` all use
 that plan, so the two directions cannot drift apart.
