@@ -102,7 +102,7 @@ class FixedStepsDecoder:
 
 
 @dataclasses.dataclass(frozen=True)
-class FastDLLMDecoder:
+class FastDLLMDecoder(common.Stateless):
   """Fast-dLLM's threshold rule (§2b): the top-1 masked position plus every masked c >= threshold.
 
   The top-1 is the most confident masked position, lower index on ties. Unlike dInfer's rule there is
@@ -117,11 +117,6 @@ class FastDLLMDecoder:
 
   def __post_init__(self):
     common.check_real(self, "threshold", 0.0, 1.0)
-
-  def init_state(self, tokens: jax.Array, maskable: jax.Array) -> tuple[()]:
-    """No per-block state. tokens [B, L] int32, maskable [B, L] bool."""
-    del tokens, maskable
-    return ()
 
   def step(self, state: tuple[()], logits: jax.Array, tokens: jax.Array, maskable: jax.Array, *,
            mask_id: int, threshold: jax.Array | None = None, temperature: float = 0.0,

@@ -37,6 +37,15 @@ class Decoder(Protocol):
     """One decoding step; returns (new_tokens [B, L] int32, committed [B, L] bool, new_state)."""
 
 
+class Stateless:
+  """Mixin for decoders that keep nothing between steps of a block."""
+
+  def init_state(self, tokens: jax.Array, maskable: jax.Array) -> tuple[()]:
+    """No per-block state. tokens [B, L] int32, maskable [B, L] bool."""
+    del tokens, maskable
+    return ()
+
+
 class Proposal(NamedTuple):
   """Per-position token proposals of one step; all [B, L].
 

@@ -38,7 +38,7 @@ def run_max(conf: jax.Array, masked: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class HierarchyDecoder:
+class HierarchyDecoder(common.Stateless):
   """Commits {run maxima with c > low} ∪ {c > threshold} ∪ {row's global argmax}, among masked positions.
 
   Runs are maximal spans of masked positions inside the block; committing inside a run splits it, so
@@ -61,11 +61,6 @@ class HierarchyDecoder:
   def __post_init__(self):
     common.check_real(self, "threshold", 0.0, 1.0)
     common.check_real(self, "low_threshold", 0.0, self.threshold)
-
-  def init_state(self, tokens: jax.Array, maskable: jax.Array) -> tuple[()]:
-    """No per-block state. tokens [B, L] int32, maskable [B, L] bool."""
-    del tokens, maskable
-    return ()
 
   def step(self, state: tuple[()], logits: jax.Array, tokens: jax.Array, maskable: jax.Array, *,
            mask_id: int, threshold: jax.Array | None = None, temperature: float = 0.0,

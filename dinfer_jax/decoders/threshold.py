@@ -9,7 +9,7 @@ from dinfer_jax.decoders import common
 
 
 @dataclasses.dataclass(frozen=True)
-class ThresholdDecoder:
+class ThresholdDecoder(common.Stateless):
   """Commits every masked position whose fp32 confidence reaches the row's threshold τ_row.
 
   τ_row = clamp(max_c - 1e-5, -1000, threshold), so the row's best candidate (and anything within 1e-5
@@ -26,11 +26,6 @@ class ThresholdDecoder:
 
   def __post_init__(self):
     common.check_real(self, "threshold", 0.0, 1.0)
-
-  def init_state(self, tokens: jax.Array, maskable: jax.Array) -> tuple[()]:
-    """No per-block state. tokens [B, L] int32, maskable [B, L] bool."""
-    del tokens, maskable
-    return ()
 
   def step(self, state: tuple[()], logits: jax.Array, tokens: jax.Array, maskable: jax.Array, *,
            mask_id: int, threshold: jax.Array | None = None, temperature: float = 0.0,
