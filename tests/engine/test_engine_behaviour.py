@@ -1,0 +1,161 @@
+"""Engine behaviour beyond exact decoding: compilation reuse, early stop and the user-facing tokens,
+temperature sampling, the token counter, and input validation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine.generate import count_generated, generate
+from dinfer_jax.engine.loop import run_jit
+from tests.engine.golden import load_traces, trace_config
+
+
+def _case(name: str) -> dict:
+  set_name = name.split("/")[0]
+  return next(c for c in load_traces(set_name)["cases"] if c["name"] == name)
+
+
+# ----------------------------------------------------------------------------- (a) no recompilation
+
+def test_same_bucket_does_not_recompile(model_a):
+  """Prompts are padded to a bucket (32): another prompt (other length, other ids) of the same bucket and
+  batch size reuses the compiled program; a prompt of the next bucket compiles a new one."""
+  gcfg = GenerationConfig(gen_length=16, block_length=8, threshold=0.85, cache="dual")
+  rng = np.random.default_rng(3)
+  generate(model_a, [rng.integers(0, 496, 11).tolist()], gcfg)
+  n = run_jit()._cache_size()
+  for length in (13, 30, 1):
+    res = generate(model_a, [rng.integers(0, 496, length).tolist()], gcfg)
+    assert res.prompt_lengths == [length] and len(res.canvas[0]) == length + 16
+    assert run_jit()._cache_size() == n, f"a prompt of length {length} recompiled"
+  generate(model_a, [rng.integers(0, 496, 40).tolist()], gcfg)  # bucket 64: a new program
+  assert run_jit()._cache_size() == n + 1
+
+
+# ----------------------------------------------------------------------------- (b) early stop
+
+def test_early_stop_fill_and_returned_tokens(model_a):
+  """Golden A/a/p1: the block [16, 32) decodes an EOS (with non-EOS tokens after it inside the block), so
+  [32, 59) is filled with EOS and never decoded. `tokens` stops before the first EOS; `canvas` keeps the
+  whole block, junk after the EOS included."""
+  case = _case("A/a_thr0.9_nocache/p1")
+  eos, P = case["config"]["eos_id"], case["prompt_length"]
+  assert case["early_stop_triggered"] and case["first_block_with_eos"] == [16, 32]
+  res = generate(model_a, [case["prompt_ids"]], trace_config(case))
+  canvas, commit = res.canvas[0], res.commit_step[0]
+  assert canvas == case["canvas"] and len(canvas) == case["total_length"]
+  # The fill: everything after the EOS block is EOS and was never committed by a forward.
+  assert all(t == eos for t in canvas[32:])
+  assert all(c == -1 for c in commit[32 - P:])
+  # Every position up to the block end was decoded.
+  assert all(c >= 1 for c in commit[:32 - P])
+  # Tokens: the generated ones before the first EOS (position 16 here: 5 tokens).
+  first = canvas.index(eos, P)
+  assert first == 16
+  assert res.tokens[0] == canvas[P:first] and res.num_tokens == [first - P]
+  assert eos not in res.tokens[0]
+  # The canvas keeps what came after the first EOS inside the block.
+  assert any(t != eos for t in canvas[first:32])
+  assert res.nfe == case["num_forwards"]
+
+
+def test_no_early_stop_without_eos(model_a):
+  """Golden A/a/p0 generates no EOS: every position is decoded and `tokens` is the whole generation."""
+  case = _case("A/a_thr0.9_nocache/p0")
+  res = generate(model_a, [case["prompt_ids"]], trace_config(case))
+  assert res.canvas[0] == case["canvas"]
+  assert res.tokens[0] == case["canvas"][case["prompt_length"]:]
+  assert min(res.commit_step[0]) >= 1
+
+
+# ----------------------------------------------------------------------------- (c) temperature
+
+def test_temperature_sampling_is_reproducible_and_seeded(model_a):
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, 496, n).tolist() for n in (6, 9)]
+  gcfg = GenerationConfig(gen_length=16, block_length=8, threshold=0.9, temperature=1.0)
+  a = generate(model_a, prompts, gcfg, seed=0)
+  b = generate(model_a, prompts, gcfg, seed=0)
+  assert a.canvas == b.canvas and a.commit_step == b.commit_step and a.nfe == b.nfe
+  others = [generate(model_a, prompts, gcfg, seed=s).canvas for s in (1, 2)]
+  assert any(o != a.canvas for o in others), "different seeds gave the same samples"
+  # Same program for every seed: the seed is a traced argument.
+  n = run_jit()._cache_size()
+  generate(model_a, prompts, gcfg, seed=3)
+  assert run_jit()._cache_size() == n
+
+
+def test_temperature_zero_ignores_the_seed(model_a):
+  case = _case("A/a_thr0.9_nocache/p1")
+  res = generate(model_a, [case["prompt_ids"]], trace_config(case), seed=1234)
+  assert res.canvas[0] == case["canvas"]
+
+
+# ----------------------------------------------------------------------------- (d) token counter
+
+@pytest.mark.parametrize("generated,want", [
+    ([], 0),
+    ([5, 6, 7], 3),  # no EOS: everything counts
+    ([9], 0),
+    ([9, 9, 9], 0),  # EOS first: nothing
+    ([5, 9, 6, 9], 1),  # stops at the first EOS; later non-EOS tokens do not count
+    ([5, 6, 9], 2),
+    ([0, 0, 0, 0, 9, 9], 4),
+])
+def test_count_generated(generated, want):
+  assert count_generated(generated, 9) == want
+  assert count_generated(np.asarray(generated, np.int32), 9) == want
+  assert count_generated(tuple(generated), 9) == want
+
+
+def test_count_generated_mask_is_not_eos():
+  assert count_generated([509, 509, 506], 506) == 2
+
+
+# ----------------------------------------------------------------------------- (e) bad inputs
+
+OK = dict(gen_length=16, block_length=8)
+
+
+@pytest.mark.parametrize("prompts,match", [
+    ([[]], r"prompt 0 is empty"),
+    ([[1, 2], []], r"prompt 1 is empty"),
+    ([], r"non-empty"),
+    ([[1] * 250], r"max_position"),  # 250 + 16 > 256
+    ([[1, 2, 512]], r"512.*outside the vocabulary"),
+    ([[-1, 2]], r"-1.*outside the vocabulary"),
+    ([[3, 509]], r"mask token"),
+])
+def test_bad_prompts(model_a, prompts, match):
+  with pytest.raises(ValueError, match=match):
+    generate(model_a, prompts, GenerationConfig(**OK))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(decoder="fixed_steps", steps_per_block=2, gen_length=20, block_length=8), r"block_length.*gen_length"),
+    (dict(threshold=0.0), r"threshold"),
+    (dict(threshold=1.5), r"threshold"),
+    (dict(threshold=-0.1), r"threshold"),
+    (dict(decoder="greedy"), r"decoder.*unknown"),
+    (dict(cache="prefix", prefix_look=4), r"vicinity.*dual"),
+    (dict(cache="none", warmup_steps=2), r"vicinity.*dual"),
+    (dict(cache="none", after_look=1), r"vicinity.*dual"),
+    (dict(cache="paged"), r"cache"),
+    (dict(gen_length=0), r"gen_length"),
+    (dict(temperature=-1.0), r"temperature"),
+])
+def test_bad_config(kw, match):
+  with pytest.raises(ValueError, match=match):
+    GenerationConfig(**{**OK, **kw})
+
+
+def test_threshold_one_is_allowed():
+  assert GenerationConfig(**OK, threshold=1.0).threshold == 1.0
+
+
+def test_llada2_rejects_smoothing_and_vicinity(model_llada2):
+  with pytest.raises(ValueError, match="cont_weight"):
+    generate(model_llada2, [[1, 2, 3]], GenerationConfig(**OK, cache="prefix", cont_weight=0.3))
+  with pytest.raises(ValueError, match="vicinity"):
+    generate(model_llada2, [[1, 2, 3]], GenerationConfig(**OK, cache="dual", prefix_look=4))
