@@ -12,22 +12,44 @@ from dinfer_jax.engine.config import GenerationConfig
 MASK_GLYPH = "_"
 
 
+GENERATION_DEFAULTS_FILE = "generation_config.json"
+
+
 def add_generation_flags(ap: argparse.ArgumentParser) -> None:
-  """One flag per GenerationConfig knob (--gen-length, --block-length, ...), defaults from the dataclass."""
-  g = ap.add_argument_group("generation (GenerationConfig)")
+  """One flag per GenerationConfig knob (--gen-length, --block-length, ...). Unset flags stay absent from
+  the namespace so that a model's own defaults (its generation_config.json) can fill them."""
+  g = ap.add_argument_group("generation (GenerationConfig; defaults: the model's generation_config.json, "
+                            "then the dataclass)")
   for f in dataclasses.fields(GenerationConfig):
     flag = "--" + f.name.replace("_", "-")
     if f.type in ("bool", bool):
-      g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default)
-    elif f.name in ("mask_id", "eos_id"):
-      g.add_argument(flag, dest=f.name, type=int, default=None)
+      g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
     else:
-      typ = {"int": int, "float": float, "str": str}.get(str(f.type), type(f.default))
-      g.add_argument(flag, dest=f.name, type=typ, default=f.default)
+      typ = int if f.name in ("mask_id", "eos_id") else {"int": int, "float": float, "str": str}.get(
+          str(f.type), type(f.default))
+      g.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS,
+                     help=f"default {f.default!r}")
 
 
-def generation_config(args: argparse.Namespace) -> GenerationConfig:
-  return GenerationConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig)})
+def model_generation_defaults(model_path: str | None) -> dict[str, Any]:
+  """GenerationConfig knobs a model directory recommends (generation_config.json, dinfer-jax keys only)."""
+  import json
+  import pathlib
+  if not model_path:
+    return {}
+  f = pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE
+  if not f.exists():
+    return {}
+  data = json.loads(f.read_text())
+  known = {fl.name for fl in dataclasses.fields(GenerationConfig)}
+  return {k: v for k, v in data.items() if k in known}
+
+
+def generation_config(args: argparse.Namespace, model_path: str | None = None) -> GenerationConfig:
+  """Dataclass defaults < the model's generation_config.json < flags given on the command line."""
+  knobs = model_generation_defaults(model_path)
+  knobs.update({f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)})
+  return GenerationConfig(**knobs)
 
 
 def encode_prompts(model, prompts: Sequence[str], *, raw: bool = False) -> list[list[int]]:
@@ -89,7 +111,7 @@ def _piece(model, t: int) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
   import dinfer_jax
   model = dinfer_jax.load(args.model, dtype=args.dtype)
-  gcfg = generation_config(args)
+  gcfg = generation_config(args, model.path)
   ids = encode_prompts(model, args.prompts, raw=args.raw)
   t = time.perf_counter()
   res = dinfer_jax.generate(model, ids, gcfg, seed=args.seed)

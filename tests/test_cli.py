@@ -46,3 +46,15 @@ def test_bad_knobs_exit_2_with_one_line(argv, msg, capsys):
 def test_text_prompt_without_tokenizer_is_a_clear_error():
   with pytest.raises(SystemExit, match="no tokenizer"):
     cli.main(["generate", "--model", MODEL, *KNOBS, "hello there"])
+
+
+def test_model_generation_defaults_sit_between_dataclass_and_flags(tmp_path):
+  (tmp_path / "generation_config.json").write_text('{"gen_length": 24, "block_length": 8, "cache": "dual", '
+                                                   '"temperature_unknown_key": 1}')
+  ap = cli.build_parser()
+  args = ap.parse_args(["generate", "x"])
+  cfg = cli.generation_config(args, str(tmp_path))
+  assert (cfg.gen_length, cfg.block_length, cfg.cache, cfg.threshold) == (24, 8, "dual", 0.9)
+  args = ap.parse_args(["generate", "--gen-length", "40", "--cache", "none", "x"])
+  cfg = cli.generation_config(args, str(tmp_path))
+  assert (cfg.gen_length, cfg.block_length, cfg.cache) == (40, 8, "none")
