@@ -1,0 +1,99 @@
+"""Deterministic tokenized training batches from the verifiable tasks.
+
+Batch for step s is a pure function of (seed, s): the task of the batch is drawn from the mix with a
+generator seeded by (seed, s), and its problems are the first `batch_size` of
+`iter_problems(task, "train", seed=derived)`. So resuming at step s needs no replay. Each batch holds one
+task, so a batch's width is that task's bucket (arithmetic prompts are ~9 tokens, program prompts ~31):
+
+  row:  [ pad ... | <|user|> prompt <|assistant|> | answer <|eos|> <|eos|> ... ]
+          prompt_width                              answer_len
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import numpy as np
+
+from train_td import tasks as tasks_lib
+from train_td import tokenizer as tok_lib
+
+DEFAULT_MIX = (("arithmetic", 0.7), ("program", 0.3))
+DEFAULT_PROMPT_WIDTH = {"arithmetic": 12, "program": 32}
+
+_VOCAB = None
+
+
+def _vocab() -> dict[str, int]:
+  global _VOCAB
+  if _VOCAB is None:
+    _VOCAB = tok_lib.build_raw_tokenizer().get_vocab()
+  return _VOCAB
+
+
+def encode_text(text: str) -> list[int]:
+  """Characters -> ids (the tokenizer's single-character pieces; unknown -> <|unk|>)."""
+  v = _vocab()
+  return [v.get(c, tok_lib.UNK_ID) for c in text]
+
+
+def encode_prompt(prompt: str) -> list[int]:
+  """<|user|>prompt<|assistant|> as ids (prompt already in the internal format)."""
+  return [tok_lib.USER_ID] + encode_text(prompt) + [tok_lib.ASSISTANT_ID]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  mix: tuple[tuple[str, float], ...] = DEFAULT_MIX
+  batch_size: int = 64
+  answer_len: int = 16
+  prompt_width: tuple[tuple[str, int], ...] = tuple(DEFAULT_PROMPT_WIDTH.items())
+  seed: int = 0
+
+  def width(self, task: str) -> int:
+    return dict(self.prompt_width)[task]
+
+
+def make_rows(problems, prompt_width: int, answer_len: int) -> dict[str, np.ndarray]:
+  """Tokenized, left-padded rows (tokens, valid, positions, answer) for a list of problems."""
+  B, T = len(problems), prompt_width + answer_len
+  tokens = np.full((B, T), tok_lib.PAD_ID, np.int32)
+  valid = np.zeros((B, T), bool)
+  positions = np.zeros((B, T), np.int32)
+  answer = np.zeros((B, T), bool)
+  answer[:, prompt_width:] = True
+  for r, p in enumerate(problems):
+    prompt = encode_prompt(p.prompt)
+    ans = encode_text(p.answer) + [tok_lib.EOS_ID]
+    if len(prompt) > prompt_width:
+      raise ValueError(f"prompt of {len(prompt)} tokens exceeds prompt_width={prompt_width}: {p.prompt!r}")
+    if len(ans) > answer_len:
+      raise ValueError(f"answer of {len(ans)} tokens (with EOS) exceeds answer_len={answer_len}: {p.answer!r}")
+    pad = prompt_width - len(prompt)
+    tokens[r, pad:prompt_width] = prompt
+    tokens[r, prompt_width:] = tok_lib.EOS_ID
+    tokens[r, prompt_width:prompt_width + len(ans)] = ans
+    valid[r, pad:] = True
+    positions[r] = np.maximum(np.arange(T) - pad, 0)
+  return {"tokens": tokens, "valid": valid, "positions": positions, "answer": answer}
+
+
+def batch_task(dcfg: DataConfig, step: int) -> str:
+  names = [n for n, _ in dcfg.mix]
+  w = np.asarray([w for _, w in dcfg.mix], np.float64)
+  rng = np.random.default_rng([dcfg.seed, step, 7])
+  return names[int(rng.choice(len(names), p=w / w.sum()))]
+
+
+def get_batch(dcfg: DataConfig, step: int) -> tuple[str, dict[str, np.ndarray]]:
+  """(task name, batch arrays) for a training step; a pure function of (dcfg, step)."""
+  task = batch_task(dcfg, step)
+  # A distinct, reproducible problem stream per (seed, step).
+  stream_seed = int(np.random.default_rng([dcfg.seed, step, 11]).integers(2**62))
+  it = tasks_lib.iter_problems(task, "train", stream_seed)
+  problems = [next(it) for _ in range(dcfg.batch_size)]
+  return task, make_rows(problems, dcfg.width(task), dcfg.answer_len)
+
+
+def n_tokens(batch: Mapping[str, np.ndarray]) -> int:
+  return int(np.asarray(batch["valid"]).sum())

@@ -1,0 +1,94 @@
+"""Export a trained run as an HF checkpoint directory shaped like a real LLaDA-MoE release.
+
+Output: config.json (model_type "llada", architectures ["LLaDAMoEModelLM"]), model.safetensors (+ index),
+tokenizer files (train_td.tokenizer.save_tokenizer) and generation_config.json holding the dinfer-jax
+GenerationConfig defaults for this model. The weights go through the project's checkpoint code:
+save_converted (orbax) then jax2hf (the one key map), so the directory loads with dinfer_jax.load().
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from dinfer_jax import checkpoint
+from dinfer_jax.config import ModelConfig
+from train_td import tokenizer as tok_lib
+
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "dinfer_jax" / "assets" / "default"
+# GenerationConfig knobs the shipped model is meant to be decoded with (answers fit in 16 tokens).
+DEFAULT_GENERATION = {"gen_length": 16, "block_length": 8, "decoder": "threshold", "threshold": 0.9,
+                      "cache": "dual", "prompt_bucket": 16}
+
+
+def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+  """config.json of an HF LLaDA-MoE release for a llada_moe ModelConfig."""
+  if cfg.family != "llada_moe":
+    raise ValueError(f"hf_config: only family 'llada_moe' is exported, got {cfg.family!r}")
+  return {
+      "architectures": ["LLaDAMoEModelLM"],
+      "model_type": "llada",
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.d_model,
+      "num_hidden_layers": cfg.n_layers,
+      "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.n_kv_heads,
+      "num_experts": cfg.n_experts,
+      "num_experts_per_tok": cfg.n_experts_per_tok,
+      "expert_intermediate_size": cfg.expert_ffn_dim,
+      "intermediate_size": cfg.expert_ffn_dim,
+      "shared_expert_intermediate_size": None,
+      "norm_topk_prob": False,
+      "qk_layernorm": cfg.qk_norm,
+      "hidden_act": "silu",
+      "rope_theta": cfg.rope_theta,
+      "partial_rotary_factor": 1.0,
+      "rms_norm_eps": cfg.rms_eps,
+      "max_position_embeddings": cfg.max_position,
+      "tie_word_embeddings": False,
+      "attention_bias": False,
+      "clip_qkv": None,
+      "mask_token_id": cfg.mask_token_id,
+      "eos_token_id": cfg.eos_token_id,
+      "pad_token_id": cfg.pad_token_id if cfg.pad_token_id is not None else tok_lib.PAD_ID,
+      "torch_dtype": dtype,
+  }
+
+
+def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "float32",
+                  generation_config: Mapping[str, Any] | None = None, overwrite: bool = True) -> dict[str, Any]:
+  """Writes params + config + tokenizer + generation_config.json to `out` (replacing it)."""
+  import ml_dtypes
+  np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+  host = jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x), np.float32).astype(np_dtype), params)
+  hf = hf_config(cfg, dtype)
+  gen = dict(DEFAULT_GENERATION if generation_config is None else generation_config)
+  out = pathlib.Path(out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory(prefix="train_td_export_") as tmp:
+    aux = pathlib.Path(tmp) / "aux"
+    aux.mkdir()
+    tok_lib.save_tokenizer(aux)
+    (aux / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    conv = pathlib.Path(tmp) / "converted"
+    checkpoint.save_converted(conv, host, hf, src_dir_for_tokenizer=aux, source_dtype=dtype)
+    summary = checkpoint.jax2hf(conv, out, dtype=dtype, overwrite=overwrite)
+  return {"path": str(out), "n_params": summary["n_params"], "bytes": summary["bytes"], "dtype": dtype,
+          "files": sorted(p.name for p in out.iterdir())}
+
+
+def export_run(run_dir: os.PathLike, out: os.PathLike | None = None, *, step: int | None = None,
+               dtype: str = "float32", generation_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+  """Exports a run's checkpoint (latest unless `step`) to `out` (default dinfer_jax/assets/default)."""
+  from train_td import trainer
+  tc = trainer.load_train_config(run_dir)
+  params, _, s = trainer.restore(run_dir, tc, step)
+  res = export_params(params, tc.model_config(), out or DEFAULT_OUT, dtype=dtype,
+                      generation_config=generation_config)
+  res["step"] = s
+  return res

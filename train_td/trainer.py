@@ -1,0 +1,266 @@
+"""Trainer: AdamW (linear warm-up + cosine decay, global-norm clipping), a jitted step with donated
+(params, opt_state), orbax checkpoints with resume, tqdm progress and JSON-lines metrics.
+
+Any loss plugs in: `loss_fn(params, batch, rng) -> (loss, metrics)` (see train_td.objective). The run is
+deterministic for a seed: batch s is a pure function of (seed, s) (train_td.data) and the step's rng is
+fold_in(PRNGKey(seed), s), so an interrupted run resumed from a checkpoint follows the same trajectory.
+
+Run directory layout:
+  train_config.json   the TrainConfig (a resumed run must match it)
+  metrics.jsonl       one JSON object per logged step
+  checkpoints/<step>/ orbax checkpoints of {"params", "opt_state"}
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.model import params as params_lib
+from train_td import data as data_lib
+from train_td import objective
+from train_td import tokenizer as tok_lib
+
+TRAIN_CONFIG = "train_config.json"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  # model (family llada_moe: MoE every layer, qk-norm, softmax top-k router without renormalisation)
+  d_model: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  n_experts: int = 8
+  n_experts_per_tok: int = 2
+  expert_ffn_dim: int = 128
+  max_position: int = 64
+  rope_theta: float = 10000.0
+  # optimisation
+  steps: int = 3000
+  batch_size: int = 64
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.05
+  warmup_steps: int = 100
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.98
+  clip_norm: float = 1.0
+  eps_t: float = 1e-3
+  # data
+  mix: tuple[tuple[str, float], ...] = data_lib.DEFAULT_MIX
+  answer_len: int = 16
+  seed: int = 0
+  # bookkeeping
+  log_every: int = 10
+  ckpt_every: int = 250
+  keep_checkpoints: int = 2
+
+  def model_config(self) -> ModelConfig:
+    return model_config_from(self)
+
+  def data_config(self) -> data_lib.DataConfig:
+    return data_lib.DataConfig(mix=tuple(tuple(m) for m in self.mix), batch_size=self.batch_size,
+                               answer_len=self.answer_len, seed=self.seed)
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "TrainConfig":
+    d = dict(d)
+    if "mix" in d:
+      d["mix"] = tuple((str(n), float(w)) for n, w in d["mix"])
+    return cls(**d)
+
+
+def model_config_from(tc: TrainConfig) -> ModelConfig:
+  if tc.d_model % tc.n_heads:
+    raise ValueError(f"d_model={tc.d_model} must be divisible by n_heads={tc.n_heads}")
+  return ModelConfig(
+      family="llada_moe", vocab_size=tok_lib.VOCAB_SIZE, d_model=tc.d_model, n_layers=tc.n_layers,
+      n_heads=tc.n_heads, n_kv_heads=tc.n_heads, head_dim=tc.d_model // tc.n_heads, n_experts=tc.n_experts,
+      n_experts_per_tok=tc.n_experts_per_tok, expert_ffn_dim=tc.expert_ffn_dim, router="softmax",
+      qk_norm=True, rope_theta=tc.rope_theta, rms_eps=1e-5, max_position=tc.max_position,
+      mask_token_id=tok_lib.MASK_ID, eos_token_id=tok_lib.EOS_ID, pad_token_id=tok_lib.PAD_ID,
+      moe_impl="dense")
+
+
+def make_schedule(tc: TrainConfig) -> optax.Schedule:
+  warm = max(1, min(tc.warmup_steps, tc.steps))
+  return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=tc.lr, warmup_steps=warm,
+                                            decay_steps=max(tc.steps, warm + 1),
+                                            end_value=tc.lr * tc.min_lr_ratio)
+
+
+def _decay_mask(params):
+  # No weight decay on norm weights (1-D per layer) and embeddings.
+  def keep(path, x):
+    name = path[-1].key if hasattr(path[-1], "key") else str(path[-1])
+    return not (name.endswith("norm") or name == "embed")
+  return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  return optax.chain(
+      optax.clip_by_global_norm(tc.clip_norm),
+      optax.adamw(make_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=_decay_mask))
+
+
+def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransformation):
+  """Jitted (params, opt_state, batch, rng) -> (params, opt_state, metrics); params and opt_state donated."""
+
+  def step(params, opt_state, batch, rng):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+    return params, opt_state, metrics
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def init_state(tc: TrainConfig, optimizer=None):
+  cfg = tc.model_config()
+  params = params_lib.init_params(cfg, jax.random.PRNGKey(tc.seed), jnp.float32)
+  optimizer = optimizer or make_optimizer(tc)
+  return params, optimizer.init(params)
+
+
+def _manager(run_dir: pathlib.Path, tc: TrainConfig):
+  import orbax.checkpoint as ocp
+  return ocp.CheckpointManager(
+      (run_dir / CHECKPOINTS).absolute(),
+      options=ocp.CheckpointManagerOptions(max_to_keep=tc.keep_checkpoints, create=True,
+                                           enable_async_checkpointing=False))
+
+
+def latest_step(run_dir: os.PathLike) -> int | None:
+  d = pathlib.Path(run_dir) / CHECKPOINTS
+  if not d.is_dir():
+    return None
+  steps = [int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()]
+  return max(steps) if steps else None
+
+
+def restore(run_dir: os.PathLike, tc: TrainConfig | None = None, step: int | None = None,
+            optimizer=None) -> tuple[Any, Any, int]:
+  """(params, opt_state, step) from a run directory's checkpoint (latest unless `step`)."""
+  import orbax.checkpoint as ocp
+  run_dir = pathlib.Path(run_dir)
+  tc = tc or load_train_config(run_dir)
+  step = latest_step(run_dir) if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"{run_dir}: no checkpoints")
+  cfg = tc.model_config()
+  abstract_params = params_lib.abstract_params(cfg, jnp.float32)
+  optimizer = optimizer or make_optimizer(tc)
+  abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
+  target = {"params": abstract_params, "opt_state": abstract_opt}
+  mngr = _manager(run_dir, tc)
+  try:
+    state = mngr.restore(step, args=ocp.args.StandardRestore(target))
+  finally:
+    mngr.close()
+  return state["params"], state["opt_state"], step
+
+
+def load_train_config(run_dir: os.PathLike) -> TrainConfig:
+  with open(pathlib.Path(run_dir) / TRAIN_CONFIG) as f:
+    return TrainConfig.from_json(json.load(f))
+
+
+def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
+          loss_fn: objective.LossFn | None = None,
+          get_batch: Callable[[int], tuple[str, dict]] | None = None,
+          progress: bool = True, stop_at: int | None = None) -> dict[str, Any]:
+  """Trains (or resumes) a run.
+
+  Args:
+    tc: the run's configuration.
+    run_dir: directory for config, metrics and checkpoints.
+    resume: True to require a checkpoint, False to refuse an existing one; None resumes if one exists.
+    loss_fn: `loss_fn(params, batch, rng) -> (loss, metrics)`; default the masked-diffusion SFT loss.
+    get_batch: step -> (tag, batch dict); default the task mix of train_td.data.
+    progress: show a tqdm bar.
+    stop_at: stop (with a checkpoint) after this step instead of tc.steps (the schedule still spans
+      tc.steps; used to test resuming).
+
+  Returns:
+    {"params", "step", "last_metrics", "seconds"}.
+  """
+  import orbax.checkpoint as ocp
+  from tqdm.auto import tqdm
+
+  run_dir = pathlib.Path(run_dir)
+  run_dir.mkdir(parents=True, exist_ok=True)
+  cfg_path = run_dir / TRAIN_CONFIG
+  if cfg_path.exists():
+    saved = load_train_config(run_dir)
+    if saved != tc:
+      raise ValueError(f"{cfg_path} differs from this run's config; use a new run directory")
+  else:
+    cfg_path.write_text(json.dumps(tc.to_json(), indent=2) + "\n")
+
+  cfg = tc.model_config()
+  optimizer = make_optimizer(tc)
+  loss_fn = loss_fn or objective.make_loss_fn(cfg, eps=tc.eps_t)
+  if get_batch is None:
+    dcfg = tc.data_config()
+    get_batch = lambda s: data_lib.get_batch(dcfg, s)  # noqa: E731
+  step_fn = make_train_step(loss_fn, optimizer)
+
+  have = latest_step(run_dir)
+  if resume and have is None:
+    raise FileNotFoundError(f"--resume: {run_dir} has no checkpoints")
+  if resume is False and have is not None:
+    raise FileExistsError(f"{run_dir} already has checkpoints (step {have}); resume or use a new directory")
+  if have is not None:
+    params, opt_state, start = restore(run_dir, tc, have, optimizer)
+  else:
+    params, opt_state = init_state(tc, optimizer)
+    start = 0
+  end = tc.steps if stop_at is None else min(stop_at, tc.steps)
+  base_key = jax.random.PRNGKey(tc.seed)
+  schedule = make_schedule(tc)
+  mngr = _manager(run_dir, tc)
+  t_start = time.time()
+  last: dict[str, Any] = {}
+  bar = tqdm(total=end, initial=start, disable=not progress, dynamic_ncols=True, mininterval=2.0)
+  window_tokens, window_t = 0, time.time()
+  try:
+    with open(run_dir / METRICS, "a") as mf:
+      for s in range(start, end):
+        tag, batch = get_batch(s)
+        window_tokens += data_lib.n_tokens(batch)
+        params, opt_state, metrics = step_fn(params, opt_state, batch, jax.random.fold_in(base_key, s))
+        done = s + 1
+        if done % tc.log_every == 0 or done == end:
+          m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+          now = time.time()
+          tps = window_tokens / max(now - window_t, 1e-9)
+          window_tokens, window_t = 0, now
+          last = dict(step=done, task=tag, lr=float(schedule(s)), tokens_per_s=tps,
+                      elapsed_s=now - t_start, **m)
+          mf.write(json.dumps(last) + "\n")
+          mf.flush()
+          bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m.get('masked_acc', float('nan')):.3f}",
+                          tok_s=f"{tps:.0f}")
+        bar.update(1)
+        if done % tc.ckpt_every == 0 or done == end:
+          mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
+    mngr.wait_until_finished()
+  finally:
+    bar.close()
+    mngr.close()
+  return {"params": params, "step": end, "last_metrics": last, "seconds": time.time() - t_start}
