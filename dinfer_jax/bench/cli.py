@@ -1,0 +1,161 @@
+"""`dinfer-jax bench`: honest throughput numbers, the engine side by side with the Python-stepped loop and
+the LLaDA / Fast-dLLM baselines (see dinfer_jax.bench.throughput)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import sys
+from typing import Any, Sequence
+
+from dinfer_jax.bench import throughput
+from dinfer_jax.bench.metrics import ratio
+
+COLUMNS = (("per-seq TPS", "per_seq_tps_mean", "{:.1f}"), ("aggregate TPS", "aggregate_tps", "{:.1f}"),
+           ("TPF", "tpf", "{:.2f}"), ("forwards/s", "fps", "{:.1f}"), ("NFE", "nfe", "{:d}"),
+           ("tokens", "tokens", "{:d}"), ("compile s", "compile_s", "{:.2f}"),
+           ("overhead (fwd dispatched)", "engine_overhead", "{:.3f}"),
+           ("overhead (fwd device)", "engine_overhead_device", "{:.3f}"))
+LABELS = {"engine": "(a) engine (jitted loop)", "stepped": "(b) Python-stepped, same algorithms",
+          "fixed_steps": "(c) LLaDA fixed steps (1 tok/fwd, no cache)", "fastdllm_dual": "(d) Fast-dLLM + dual cache",
+          "overhead": "(e) fixed_steps k tok/fwd (overhead probe)"}
+
+
+def register(subparsers) -> None:
+  from dinfer_jax import cli
+  b = subparsers.add_parser("bench", help="throughput: jitted engine vs Python-stepped loop vs baselines",
+                            description=__doc__)
+  b.add_argument("--model", default="default", help="model directory; default: the embedded model")
+  b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  b.add_argument("--prompts", default=None,
+                 help="JSON file: a list of strings (tokenized with the model's chat template) or of token-id "
+                      "lists; default: a built-in small set")
+  b.add_argument("--batch-size", type=int, default=1, help="rows per engine call (the stepped loop runs batch 1)")
+  b.add_argument("--repeats", type=int, default=3, help="timed calls per batch after warm-up (median)")
+  b.add_argument("--variants", default=",".join(throughput.VARIANTS),
+                 help=f"comma list of {', '.join(throughput.VARIANTS)}")
+  b.add_argument("--overhead-k", type=int, default=4, help="tokens per forward of the overhead probe (fixed_steps)")
+  b.add_argument("--json", dest="json_out", default=None, help="write the results as one JSON object here")
+  b.add_argument("--no-progress", action="store_true")
+  cli.add_generation_flags(b)
+  b.set_defaults(func=cmd_bench)
+
+
+def load_prompts(model, path: str | None, gcfg) -> list[list[int]]:
+  from dinfer_jax import cli
+  if path is None:
+    if model.tokenizer is not None:
+      return cli.encode_prompts(model, list(throughput.TEXT_PROMPTS))
+    mask = gcfg.mask_id if gcfg.mask_id is not None else model.config.mask_token_id
+    eos = gcfg.eos_id if gcfg.eos_id is not None else model.config.eos_token_id
+    return throughput.default_token_prompts(model.config, int(mask), int(eos))
+  data = json.loads(pathlib.Path(path).read_text())
+  if not isinstance(data, list) or not data:
+    raise ValueError(f"--prompts {path}: expected a non-empty JSON list of strings or of token-id lists")
+  if all(isinstance(p, str) for p in data):
+    return cli.encode_prompts(model, data)
+  if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in data):
+    return data
+  raise ValueError(f"--prompts {path}: every entry must be a string, or every entry a non-empty list of ints")
+
+
+def machine_info() -> dict[str, Any]:
+  import os
+
+  import jax
+  cpu = platform.processor() or ""
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
+          "devices": [str(d.device_kind) for d in jax.devices()][:1],
+          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def markdown_table(results: dict[str, dict[str, Any]]) -> str:
+  head = "| variant | decoder | cache | " + " | ".join(c[0] for c in COLUMNS) + " |"
+  lines = [head, "|" + "---|" * (3 + len(COLUMNS))]
+  for name, m in results.items():
+    cache = m["cache"] + (" +vicinity" if m.get("vicinity") else "") + (" +smooth" if m.get("smoothing") else "")
+    cells = []
+    for _, key, fmt in COLUMNS:
+      v = m.get(key)
+      cells.append("n/a" if v is None else fmt.format(v))
+    lines.append(f"| {LABELS.get(name, name)} | {m['decoder']} | {cache} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+  """The headline keys: (a)'s metrics, (a)'s speed-ups over (b), (c), (d), and the overhead probe's figure."""
+  a = results.get("engine", {})
+  tps = lambda v: results.get(v, {}).get("per_seq_tps_mean")
+  agg = lambda v: results.get(v, {}).get("aggregate_tps")
+  probe = results.get("overhead", {}).get("engine_overhead")
+  return {
+      "per_seq_tps_mean": a.get("per_seq_tps_mean"),
+      "aggregate_tps": a.get("aggregate_tps"),
+      "tpf": a.get("tpf"),
+      "fps": a.get("fps"),
+      "nfe": a.get("nfe"),
+      "compile_s": a.get("compile_s"),
+      "engine_overhead": probe if probe is not None else a.get("engine_overhead"),
+      "engine_overhead_main": a.get("engine_overhead"),
+      "engine_overhead_device": results.get("overhead", {}).get("engine_overhead_device", a.get("engine_overhead_device")),
+      "vs_python_stepped": ratio(tps("engine"), tps("stepped")),
+      "vs_python_stepped_aggregate": ratio(agg("engine"), agg("stepped")),
+      "vs_fixed_steps": ratio(tps("engine"), tps("fixed_steps")),
+      "vs_fastdllm_dual": ratio(tps("engine"), tps("fastdllm_dual")),
+  }
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+  import dinfer_jax
+  from dinfer_jax import cli
+  variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+  bad = [v for v in variants if v not in throughput.VARIANTS]
+  if bad:
+    raise ValueError(f"--variants: unknown {bad}; choose from {', '.join(throughput.VARIANTS)}")
+  if args.batch_size <= 0 or args.repeats <= 0:
+    raise ValueError("--batch-size and --repeats must be positive")
+  model = dinfer_jax.load(args.model, dtype=args.dtype)
+  gcfg = cli.generation_config(args, model.path)
+  if gcfg.temperature != 0:
+    raise ValueError("bench: temperature must be 0 (the Python-stepped loop is greedy)")
+  prompts = load_prompts(model, args.prompts, gcfg)
+  from dinfer_jax.sharding import use_mesh
+  with use_mesh(model.mesh):
+    results = throughput.run_side_by_side(model.params, model.config, prompts, gcfg, batch_size=args.batch_size,
+                                          repeats=args.repeats, variants=variants, overhead_k=args.overhead_k,
+                                          progress=not args.no_progress)
+  out = summary(results)
+  out.update(variants=results, config=_jsonable(gcfg), model=model.path, prompts=len(prompts),
+             batch_size=args.batch_size, repeats=args.repeats, machine=machine_info(),
+             command="dinfer-jax " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("dinfer-jax") else None)
+  print(markdown_table(results))
+  print()
+  for k in ("vs_python_stepped", "vs_fixed_steps", "vs_fastdllm_dual", "engine_overhead", "engine_overhead_device"):
+    v = out[k]
+    print(f"{k}: {'n/a' if v is None else f'{v:.3f}'}")
+  if args.json_out:
+    pathlib.Path(args.json_out).write_text(json.dumps(out, indent=1))
+  return 0
+
+
+def _jsonable(gcfg) -> dict[str, Any]:
+  import dataclasses
+  return dataclasses.asdict(gcfg)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  from dinfer_jax import cli
+  return cli.main(["bench", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,279 @@
+"""Side-by-side throughput of the jitted engine, the same algorithms stepped from Python, and the baselines.
+
+Variants (same model, prompts and decoder settings, one process):
+  engine        the jitted engine (the whole denoising loop as one XLA program) with the given config;
+  stepped       the same config driven step by step from Python (engine.stepped with a JitRunner: one
+                jitted forward per step, a host sync per step, as dInfer and Fast-dLLM run); batch 1;
+  fixed_steps   LLaDA's fixed-steps low-confidence baseline, 1 token per forward, no cache (engine);
+  fastdllm_dual Fast-dLLM's rule (top-1 + threshold) with the dual cache (engine);
+  overhead      fixed_steps committing k tokens per forward with the config's cache (engine): fixed work
+                per forward, so its engine overhead does not depend on the model's confidences.
+Every engine variant also reports engine_overhead: generate's wall time over count x time of one standalone
+jitted forward of each kind it ran (full / refresh, cached slice, block-diffusion prefill).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dinfer_jax.bench.metrics import CallRecord, predicted_forward_time, summarize
+from dinfer_jax.cache import KVCache
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.engine import generate as gen_lib
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine.generate import count_generated
+from dinfer_jax.engine.stepped import JitRunner, stepped_generate
+from dinfer_jax.model.transformer import forward
+
+VARIANTS = ("engine", "stepped", "fixed_steps", "fastdllm_dual", "overhead")
+
+# Built-in prompts: questions for a model with a tokenizer (the default model's tasks: arithmetic and
+# guess-the-function), token ids otherwise.
+TEXT_PROMPTS = ("What is 348 + 279?", "12*34", "What is 905 - 417?", "f(1)=5;f(2)=8;f(4)=14",
+                "What is 61 * 7?", "f(0)=1;f(1)=3;f(3)=7")
+
+
+def default_token_prompts(mcfg: ModelConfig, mask_id: int, eos_id: int, n: int = 4) -> list[list[int]]:
+  """n deterministic random prompts of lengths 12, 20, 28, ... avoiding the mask and EOS ids."""
+  rng = np.random.default_rng(0)
+  hi = min(mcfg.vocab_size, 32000)
+  out = []
+  for i in range(n):
+    ids = [int(t) for t in rng.integers(0, hi, size=12 + 8 * i)]
+    out.append([t if t not in (mask_id, eos_id) else (t + 1) % hi for t in ids])
+  return out
+
+
+def variant_config(name: str, gcfg: GenerationConfig, *, overhead_k: int = 4) -> GenerationConfig:
+  """The GenerationConfig a variant runs with."""
+  if name in ("engine", "stepped"):
+    return gcfg
+  plain = dict(cont_weight=0.0, prefix_look=0, after_look=0, warmup_steps=0)
+  if name == "fixed_steps":
+    return gcfg.replace(decoder="fixed_steps", steps_per_block=gcfg.block_length, cache="none", **plain)
+  if name == "fastdllm_dual":
+    return gcfg.replace(decoder="fastdllm", steps_per_block=0, cache="dual", **plain)
+  if name == "overhead":
+    k = max(1, min(overhead_k, gcfg.block_length))
+    return gcfg.replace(decoder="fixed_steps", steps_per_block=max(1, gcfg.block_length // k),
+                        cont_weight=0.0)
+  raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+  times, out = [], None
+  for _ in range(repeats):
+    t = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - t)
+  return statistics.median(times), out
+
+
+def _best_time(fn: Callable[[], Any], reps: int) -> float:
+  jax.block_until_ready(fn())
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+# ----------------------------------------------------------------------------- standalone forwards
+
+def _chained(f, n: int):
+  """f(p, inp, *rest) -> n calls of f in one program, each call's input depending on the previous output."""
+  if not n:
+    return jax.jit(f)
+
+  def many(p, inp, *rest):
+    def body(_, carry):
+      x, acc = carry
+      y = f(p, x, *rest)
+      leaf = jax.tree_util.tree_leaves(y)[0]
+      bump = (leaf.reshape(-1)[0] > 3e38).astype(jnp.int32)  # never true; a dependence XLA cannot drop
+      x = jax.tree_util.tree_map(lambda a: a + bump.astype(a.dtype), x)
+      return x, acc + bump
+    return jax.lax.fori_loop(0, n, body, (inp, jnp.int32(0)))[1]
+  return jax.jit(many)
+
+
+def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *,
+                chain: int = 0) -> dict[str, Callable[[], Any]]:
+  """One zero-argument callable per kind of forward the engine runs for this layout, each a jitted forward
+  of exactly the shape the engine's program uses (same params, batch, canvas, window, logits slice).
+  chain=n: each callable runs n such forwards back to back in one program instead."""
+  grid, mode = lay.grid, static["mode"]
+  L, C, W, Tc = grid.block_len, grid.first_block, grid.window, grid.canvas_len
+  Bsz = grid.batch
+  canvas = jnp.asarray(lay.canvas)
+  valid = jnp.asarray(lay.valid)
+  pos = jnp.asarray(lay.positions)
+  smoothing = gcfg.smoothing
+  table = params["embed"]
+  col = jnp.arange(Tc)
+  blk_of = col // L
+  fns: dict[str, Callable[[], Any]] = {}
+
+  def inputs(x):
+    return {"embeds": jnp.take(table, x, axis=0)} if smoothing else {"tokens": x}
+
+  if mode != "block_diffusion":
+    mask = ((blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]) if static["block_causal"] else valid
+    lg = {} if smoothing else {"logits_len": L}
+    full = _chained(lambda p, inp, m, s: forward(p, mcfg, positions=pos, mask=m, logits_start=s, **inp, **lg).logits,
+                    chain)
+    full_in = inputs(canvas)
+    fns["full"] = lambda: full(params, full_in, mask, jnp.int32(C))
+  if mode in ("prefix", "dual", "block_diffusion"):
+    c0 = C if mode == "block_diffusion" else int(min(max(C - gcfg.prefix_look, 0), Tc - W))
+    if mode == "prefix":
+      c0 = C
+    cache = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, table.dtype)
+    win_in = inputs(canvas[:, c0:c0 + W])
+    wpos = pos[:, c0:c0 + W]
+    write = jnp.ones((Bsz, W), bool)
+    lg = {} if smoothing else {"logits_len": L}
+    cached = _chained(lambda p, inp, kv, c, s: forward(p, mcfg, positions=wpos, mask=valid, cache=kv, cache_start=c,
+                                                       write_mask=write, logits_start=s, **inp, **lg).logits, chain)
+    fns["cached"] = lambda: cached(params, win_in, cache, jnp.int32(c0), jnp.int32(C - c0))
+  if mode == "block_diffusion":
+    P = grid.prefill_len
+    bc = (blk_of[None, :P, None] >= blk_of[None, None, :P]) & valid[:, None, :P]
+    pre = _chained(lambda p, inp: forward(p, mcfg, positions=pos[:, :P], mask=bc, **inp).kv.k, chain)
+    fns["prefill"] = lambda: pre(params, {"tokens": canvas[:, :P]})
+  return fns
+
+
+def time_forwards(params, mcfg, gcfg, lay, static, reps: int = 5) -> dict[str, float]:
+  """Best-of-reps seconds of one standalone jitted forward per kind (compiled before timing), each call
+  dispatched from Python and waited for with block_until_ready."""
+  return {k: _best_time(fn, reps) for k, fn in forward_fns(params, mcfg, gcfg, lay, static).items()}
+
+
+def time_forwards_chained(params, mcfg, gcfg, lay, static, n: int = 8, reps: int = 3) -> dict[str, float]:
+  """Seconds per forward when n forwards of a kind run back to back inside one jitted program (a data
+  dependence between them keeps XLA from hoisting or merging them): the forward's device time without
+  the per-call dispatch, which dominates on tiny models."""
+  out = {}
+  for k, fn in forward_fns(params, mcfg, gcfg, lay, static, chain=n).items():
+    out[k] = _best_time(fn, reps) / n
+  return out
+
+
+def engine_counts(out_counts: dict[str, int], nfe: int) -> dict[str, int]:
+  """forward_counts {"full", "cached"} plus the prefill forwards (the rest of the NFE)."""
+  counts = dict(out_counts)
+  counts["prefill"] = nfe - sum(out_counts.values())
+  return counts
+
+
+# ----------------------------------------------------------------------------- runs
+
+def run_engine(params, mcfg: ModelConfig, batches: Sequence[Sequence[Sequence[int]]], gcfg: GenerationConfig, *,
+               repeats: int = 3, overhead: bool = True, forward_reps: int = 5, tick: Callable[[], None] = lambda: None,
+               mesh=None) -> list[CallRecord]:
+  """Runs every batch through the jitted engine: one untimed first call per new shape bucket (compile),
+  then `repeats` timed calls (median); with overhead=True also times the standalone forwards per shape."""
+  seen: dict[Any, dict[str, float] | None] = {}
+  records = []
+
+  def call(batch):
+    lay, out, static = gen_lib.generate_arrays(params, mcfg, batch, gcfg)
+    jax.block_until_ready(out)
+    return gen_lib.collect(lay, out, len(batch), static["eos_id"]), lay, static
+
+  for batch in batches:
+    lay0, static0 = gen_lib.prepare(mcfg, batch, gcfg)
+    key = lay0.grid
+    first_s = None
+    if key not in seen:
+      t = time.perf_counter()
+      call(batch)
+      first_s = time.perf_counter() - t
+      seen[key] = ((time_forwards(params, mcfg, gcfg, lay0, static0, forward_reps),
+                    time_forwards_chained(params, mcfg, gcfg, lay0, static0)) if overhead else None)
+    tick()
+    wall, (res, lay, static) = _median_time(lambda: call(batch), repeats)
+    for _ in range(repeats):
+      tick()
+    counts = engine_counts(res.forward_counts, res.nfe)
+    fwd = seen[key]
+    records.append(CallRecord(
+        wall_s=wall, num_tokens=list(res.num_tokens), row_nfe=list(res.row_nfe), nfe=res.nfe,
+        forward_counts=counts, compile_s=max(0.0, first_s - wall) if first_s is not None else 0.0,
+        predicted_forward_s=predicted_forward_time(counts, fwd[0]) if fwd is not None else None,
+        predicted_device_s=predicted_forward_time(counts, fwd[1]) if fwd is not None else None,
+        forward_s=fwd[0] if fwd is not None else None, forward_device_s=fwd[1] if fwd is not None else None))
+  return records
+
+
+def run_stepped(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, *,
+                repeats: int = 3, tick: Callable[[], None] = lambda: None) -> list[CallRecord]:
+  """Runs every prompt (batch 1) through the Python-stepped loop: one untimed call per prompt first (it
+  compiles every forward shape that prompt needs; jax.jit caches them), then `repeats` timed calls."""
+  runner = JitRunner()
+  eos = int(gcfg.eos_id if gcfg.eos_id is not None else mcfg.eos_token_id)
+  records = []
+  for p in prompts:
+    t = time.perf_counter()
+    stepped_generate(params, mcfg, list(p), gcfg, runner=runner)
+    first_s = time.perf_counter() - t
+    tick()
+    wall, res = _median_time(lambda: stepped_generate(params, mcfg, list(p), gcfg, runner=runner), repeats)
+    for _ in range(repeats):
+      tick()
+    gen = res.canvas[len(p):len(p) + gcfg.gen_length]
+    kinds = {}
+    for kind, _, _ in res.forwards:
+      kinds[kind] = kinds.get(kind, 0) + 1
+    records.append(CallRecord(wall_s=wall, num_tokens=[count_generated(gen, eos)], row_nfe=[res.nfe], nfe=res.nfe,
+                              forward_counts=kinds, compile_s=max(0.0, first_s - wall)))
+  return records
+
+
+def batched(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[list[int]]]:
+  return [list(map(list, prompts[i:i + batch_size])) for i in range(0, len(prompts), batch_size)]
+
+
+def run_side_by_side(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, *,
+                     batch_size: int = 1, repeats: int = 3, variants: Sequence[str] = VARIANTS,
+                     overhead_k: int = 4, progress: bool = True) -> dict[str, Any]:
+  """Runs the variants on the same prompts; returns {"variants": {name: metrics}, ratios...}."""
+  from tqdm.auto import tqdm
+
+  batches = batched(prompts, batch_size)
+  units = 0
+  for v in variants:
+    units += (len(prompts) if v == "stepped" else len(batches)) * (1 + repeats)
+  bar = tqdm(total=units, desc="bench", disable=not progress, leave=False)
+  results: dict[str, Any] = {}
+  try:
+    for v in variants:
+      vcfg = variant_config(v, gcfg, overhead_k=overhead_k)
+      bar.set_postfix_str(v)
+      if v == "stepped":
+        recs = run_stepped(params, mcfg, prompts, vcfg, repeats=repeats, tick=lambda: bar.update(1))
+      else:
+        recs = run_engine(params, mcfg, batches, vcfg, repeats=repeats, tick=lambda: bar.update(1))
+      m = summarize(recs)
+      m.update(decoder=vcfg.decoder, cache=vcfg.cache, smoothing=vcfg.smoothing, vicinity=vcfg.vicinity,
+               steps_per_block=vcfg.steps_per_block, batch_size=1 if v == "stepped" else batch_size,
+               forward_counts=_sum_counts(recs))
+      results[v] = m
+  finally:
+    bar.close()
+  return results
+
+
+def _sum_counts(recs: Sequence[CallRecord]) -> dict[str, int]:
+  out: dict[str, int] = {}
+  for r in recs:
+    for k, n in r.forward_counts.items():
+      out[k] = out.get(k, 0) + n
+  return out

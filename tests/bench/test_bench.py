@@ -1,0 +1,127 @@
+"""dinfer-jax bench and the GPU check, on the tiny golden model (fast)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dinfer_jax import cli
+from dinfer_jax.bench import gpu_check, metrics, throughput
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine.generate import count_generated, generate
+from tests.engine.golden import MODEL_DIRS, load_model
+
+GCFG = GenerationConfig(gen_length=16, block_length=8, cache="dual", threshold=0.9, mask_id=509, eos_id=506)
+PROMPTS = [[3, 17, 42, 99, 7, 12, 200, 311, 45, 6, 8], [5, 9, 120, 33, 71]]
+
+
+# ----------------------------------------------------------------------------- counting rules
+
+def test_summarize_counting_rules():
+  calls = [metrics.CallRecord(wall_s=2.0, num_tokens=[10, 4], row_nfe=[5, 4], nfe=6),
+           metrics.CallRecord(wall_s=1.0, num_tokens=[3], row_nfe=[3], nfe=3, compile_s=0.5)]
+  m = metrics.summarize(calls)
+  assert m["per_seq_tps_mean"] == pytest.approx((10 / 2 + 4 / 2 + 3 / 1) / 3)
+  assert m["aggregate_tps"] == pytest.approx(17 / 3)
+  assert m["tpf"] == pytest.approx((10 / 5 + 4 / 4 + 3 / 3) / 3)
+  assert m["nfe"] == 9 and m["tokens"] == 17 and m["fps"] == pytest.approx(3.0)
+  assert m["compile_s"] == 0.5 and m["engine_overhead"] is None
+
+
+def test_overhead_arithmetic():
+  counts = {"full": 4, "cached": 10, "prefill": 0}
+  pred = metrics.predicted_forward_time(counts, {"full": 0.01, "cached": 0.002})
+  assert pred == pytest.approx(0.06)
+  assert metrics.engine_overhead(0.066, pred) == pytest.approx(1.1)
+  with pytest.raises(ValueError, match="cached"):
+    metrics.predicted_forward_time(counts, {"full": 0.01})
+
+
+def test_engine_overhead_uses_counts_times_stubbed_forward_times(monkeypatch):
+  monkeypatch.setattr(throughput, "time_forwards", lambda *a, **k: {"full": 0.004, "cached": 0.001})
+  monkeypatch.setattr(throughput, "time_forwards_chained", lambda *a, **k: {"full": 0.002, "cached": 0.0005})
+  params, mcfg = load_model("A")
+  (rec,) = throughput.run_engine(params, mcfg, [PROMPTS], GCFG, repeats=1)
+  c = rec.forward_counts
+  assert c["full"] > 0 and c["cached"] > 0 and c["prefill"] == 0
+  assert c["full"] + c["cached"] == rec.nfe
+  assert rec.predicted_forward_s == pytest.approx(0.004 * c["full"] + 0.001 * c["cached"])
+  m = metrics.summarize([rec])
+  assert m["engine_overhead"] == pytest.approx(rec.wall_s / rec.predicted_forward_s)
+  assert m["engine_overhead_device"] == pytest.approx(rec.wall_s / (0.002 * c["full"] + 0.0005 * c["cached"]))
+
+
+def test_token_counts_match_count_generated_and_the_stepped_loop():
+  params, mcfg = load_model("A")
+  (rec,) = throughput.run_engine(params, mcfg, [PROMPTS], GCFG, repeats=1, overhead=False)
+  res = generate((params, mcfg), PROMPTS, GCFG)
+  want = [count_generated(row[len(p):], 506) for row, p in zip(res.canvas, PROMPTS)]
+  assert rec.num_tokens == want == res.num_tokens
+  assert rec.row_nfe == res.row_nfe and rec.nfe == res.nfe
+  stepped = throughput.run_stepped(params, mcfg, PROMPTS, GCFG, repeats=1)
+  assert [r.num_tokens[0] for r in stepped] == want  # same algorithms, same tokens
+  assert [r.nfe for r in stepped] == res.row_nfe  # and the same forwards per row
+
+
+def test_variant_configs():
+  assert throughput.variant_config("fixed_steps", GCFG).steps_per_block == 8
+  assert throughput.variant_config("fixed_steps", GCFG).cache == "none"
+  d = throughput.variant_config("fastdllm_dual", GCFG.replace(cont_weight=0.3, cache="none"))
+  assert (d.decoder, d.cache, d.cont_weight) == ("fastdllm", "dual", 0.0)
+  assert throughput.variant_config("overhead", GCFG, overhead_k=4).steps_per_block == 2
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def test_bench_cli_json(tmp_path, capsys):
+  prompts = tmp_path / "prompts.json"
+  prompts.write_text(json.dumps(PROMPTS))
+  out = tmp_path / "bench.json"
+  rc = cli.main(["bench", "--model", str(MODEL_DIRS["A"]), "--prompts", str(prompts), "--mask-id", "509",
+                 "--eos-id", "506", "--gen-length", "16", "--block-length", "8", "--cache", "dual",
+                 "--repeats", "1", "--variants", "engine,stepped,overhead", "--no-progress", "--json", str(out)])
+  assert rc == 0
+  table = capsys.readouterr().out
+  assert "| (a) engine (jitted loop) |" in table and "vs_python_stepped" in table
+  d = json.loads(out.read_text())
+  for key in ("per_seq_tps_mean", "aggregate_tps", "tpf", "nfe", "compile_s", "engine_overhead",
+              "vs_python_stepped"):
+    assert key in d, key
+  assert d["per_seq_tps_mean"] > 0 and d["aggregate_tps"] > 0 and d["compile_s"] >= 0
+  assert 1.0 <= d["tpf"] <= 8.0  # at least one token per forward, at most a block
+  assert d["nfe"] == d["variants"]["stepped"]["nfe"]  # batch 1 engine and stepped loop: same forwards
+  assert d["variants"]["engine"]["tokens"] == d["variants"]["stepped"]["tokens"]
+  assert d["engine_overhead"] > 0 and math.isfinite(d["engine_overhead"])
+  assert d["vs_python_stepped"] > 0
+  assert d["vs_fixed_steps"] is None  # variant not run
+  assert d["machine"]["jax"]
+
+
+def test_bench_cli_bad_variant(capsys):
+  assert cli.main(["bench", "--model", str(MODEL_DIRS["A"]), "--variants", "nope"]) == 2
+  assert "nope" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- GPU check, tiny on CPU
+
+def test_gpu_check_tiny(tmp_path, capsys):
+  out = tmp_path / "gpu.json"
+  assert gpu_check.main(["--tiny", "--batches", "1", "--ks", "4", "--gen-length", "32", "--reps", "1",
+                         "--json", str(out)]) == 0
+  d = json.loads(out.read_text())
+  (row,) = d["rows"]
+  assert row["batch"] == 1 and row["k"] == 4 and row["steps_per_block"] == 4
+  assert row["nfe"] == row["n_full"] + row["n_cached"] and row["n_full"] == 2  # one refresh per block
+  for key in ("cached_fwd_ms", "full_fwd_ms", "fwd_per_s_in_generate", "hbm_fraction_cached",
+              "implied_tps_per_seq_at_3.87_tpf", "engine_overhead"):
+    assert row[key] > 0, key
+  assert "| batch |" in capsys.readouterr().out
+
+
+def test_roofline_bytes_llada_moe():
+  """At batch 1 a 64-token block touches (essentially) all 64 experts; the weights read are ~14 GB in bf16."""
+  cfg = gpu_check.ModelConfig.llada_moe_7b_a1b()
+  b = gpu_check.bytes_per_forward(cfg, dtype_bytes=2, batch=1, tokens=64, kv_len=1088, logits_tokens=64)
+  assert b["experts_touched_per_layer"] == pytest.approx(64, abs=0.01)
+  assert 13.5e9 < b["weights"] < 14.5e9
