@@ -13,12 +13,15 @@ from __future__ import annotations
 import functools
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dinfer_jax.cache import KVCache
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.generate import generate
-from tests.engine.golden import load_model, load_traces
+from tests.engine import reference as ref_lib
+from tests.engine.golden import MODEL_DIRS, load_model, load_traces
 from tests.engine.reference import reference_generate
 
 DECODERS = {
@@ -50,19 +53,33 @@ ROWS = _rows()
 
 
 def make_config(decoder: str, cache: str, smoothing: bool, **kw) -> GenerationConfig:
-  return GenerationConfig(gen_length=G, block_length=B, **DECODERS[decoder], **CACHES[cache],
+  kw.setdefault("gen_length", G)
+  return GenerationConfig(block_length=B, **DECODERS[decoder], **CACHES[cache],
                           cont_weight=0.3 if smoothing else 0.0, **kw)
 
 
 @functools.cache
+def _model(name: str):
+  """A golden model; "llada2_eos" is tiny LLaDA2 with the LM-head columns of EOS (506) and token 508 swapped,
+  so that it predicts EOS where the original predicts 508 (rows 0 and 1 of LLADA2_ROWS, in block [8, 16))."""
+  if name != "llada2_eos":
+    return load_model(name)
+  params, cfg = load_model("llada2")
+  head = params["lm_head"]
+  assert cfg.eos_token_id == 506
+  head = head.at[:, [506, 508]].set(head[:, [508, 506]])
+  return {**params, "lm_head": head}, cfg
+
+
+@functools.cache
 def _reference(model: str, prompt: tuple[int, ...], gcfg: GenerationConfig):
-  params, cfg = load_model(model)
+  params, cfg = _model(model)
   return reference_generate(params, cfg, list(prompt), gcfg)
 
 
 def check_against_reference(model: str, prompts: list[list[int]], gcfg: GenerationConfig):
-  res = generate(load_model(model), prompts, gcfg, seed=0)
-  eos = load_model(model)[1].eos_token_id
+  res = generate(_model(model), prompts, gcfg, seed=0)
+  eos = _model(model)[1].eos_token_id
   refs = [_reference(model, tuple(p), gcfg) for p in prompts]
   for r, (p, ref) in enumerate(zip(prompts, refs)):
     ctx = f"row {r} (P={len(p)})"
@@ -73,13 +90,31 @@ def check_against_reference(model: str, prompts: list[list[int]], gcfg: Generati
     gen = ref.canvas[len(p):]
     k = gen.index(eos) if eos in gen else len(gen)
     assert res.tokens[r] == gen[:k] and res.num_tokens[r] == k, ctx
-  row_nfe = [ref.nfe for ref in refs]
-  if len(prompts) == 1:
-    assert res.nfe == row_nfe[0]
-  else:
-    # A batched forward counts once: at least the longest row's forwards, at most all of them.
-    assert max(row_nfe) <= res.nfe <= sum(row_nfe)
+  full, cached, prefill = batched_forwards(refs)
+  assert res.nfe == full + cached + prefill
+  assert res.forward_counts == {"full": full, "cached": cached}
   return res, refs
+
+
+def batched_forwards(refs) -> tuple[int, int, int]:
+  """The forwards a batched run executes, predicted from the rows' reference runs: rows step through a
+  block in lockstep (the i-th iteration of block k is every row's i-th forward in its k-th block), and each
+  iteration runs the full-canvas kind and the cached kind at most once, batched over the rows needing it.
+  Returns (full, cached, prefill)."""
+  per_iter: dict[tuple[int, int], set[str]] = {}
+  prefill = 0
+  for ref in refs:
+    seen: dict[int, int] = {}
+    for (kind, _, _), blk in zip(ref.forwards, ref.forward_block):
+      if kind == "prefill":
+        prefill = 1
+        continue
+      i = seen.get(blk, 0)
+      seen[blk] = i + 1
+      per_iter.setdefault((blk, i), set()).add("full" if kind in ("full", "refresh") else "cached")
+  full = sum("full" in k for k in per_iter.values())
+  cached = sum("cached" in k for k in per_iter.values())
+  return full, cached, prefill
 
 
 # ----------------------------------------------------------------------------- LLaDA-MoE (golden set A)
@@ -116,15 +151,17 @@ def test_batch1_equals_reference(decoder, cache, smoothing):
 
 
 def test_aligned_first_block_batch3():
-  """start_block_align: each row's first block starts at floor(P / B) * B (P = 5 -> 0, 11 -> 8, 16 -> 16),
-  so the rows' blocks and vicinity windows sit at different offsets from their prompts."""
-  check_against_reference("A", ROWS, make_config("threshold", "vicinity", True, start_block_align=True))
+  """start_block_align: each row's first block starts at floor(P / B) * B (P = 5 -> 0, 11 -> 8, 16 -> 16), so
+  the first blocks hold prompt tokens (which split the hierarchy decoder's runs)."""
+  check_against_reference("A", ROWS, make_config("hierarchy", "none", False, start_block_align=True))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
-def test_aligned_first_block_batch3_plain(cache):
-  check_against_reference("A", ROWS, make_config("hierarchy", cache, False, start_block_align=True))
+@pytest.mark.parametrize("decoder,cache,smoothing", [("threshold", "vicinity", True), ("hierarchy", "prefix", False),
+                                                     ("credit", "dual", False), ("threshold", "none", True)])
+def test_aligned_first_block_batch3_more(decoder, cache, smoothing):
+  """Aligned blocks shift the vicinity windows and the prefix inputs of each row differently."""
+  check_against_reference("A", ROWS, make_config(decoder, cache, smoothing, start_block_align=True))
 
 
 # ----------------------------------------------------------------------------- dense LLaDA
@@ -152,6 +189,7 @@ def _llada2_rows():
 
 
 LLADA2_ROWS = _llada2_rows()
+G2 = 16  # LLaDA2 runs: fewer blocks, so fewer cache lengths for the reference to compile
 LLADA2_DEFAULT = {("threshold", "prefix"), ("threshold", "none")}
 
 
@@ -161,14 +199,41 @@ LLADA2_DEFAULT = {("threshold", "prefix"), ("threshold", "none")}
 def test_llada2_block_diffusion_rows_equal_reference(decoder, cache):
   """cache 'prefix': block diffusion with its persisted cache (prefill + clean-K/V forward per block);
   cache 'none': a full forward under the block-causal mask every step. T is padded to a multiple of B."""
-  gcfg = make_config(decoder, cache, False)
+  gcfg = make_config(decoder, cache, False, gen_length=G2)
   res, refs = check_against_reference("llada2", LLADA2_ROWS, gcfg)
   for p, row in zip(LLADA2_ROWS, res.canvas):
-    assert len(row) == -(-(len(p) + G) // B) * B
+    assert len(row) == -(-(len(p) + G2) // B) * B  # 24, 32, 32
   if cache == "prefix":
     assert all(r.forwards[0][0] == "prefill" for r in refs)
 
 
+def test_reference_block_diffusion_step_matches_dinfer():
+  """The reference's block-diffusion forwards against dInfer's recorded logits (golden/forward/tiny_llada2_moe):
+  prefill x[:16] under the block-causal mask, extend the cache to 24, then a cached step on x[16:24]."""
+  params, cfg = load_model("llada2")
+  d = MODEL_DIRS["llada2"]
+  x = np.load(d / "input_ids.npy")[0]
+  want = np.load(d / "ref_logits_bd_cache.npy")[0]
+  table = np.asarray(params["embed"])
+  _, kv = ref_lib._fwd(params, cfg, table[x[:16]], 0, mask=ref_lib._block_causal(16, 8))
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, 8), (0, 0), (0, 0)))
+  got, _ = ref_lib._fwd(params, cfg, table[x[16:24]], 16, cache=KVCache(pad(kv.k), pad(kv.v)))
+  np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)
+  full, _ = ref_lib._fwd(params, cfg, table[x[:24]], 0, mask=ref_lib._block_causal(24, 8))
+  np.testing.assert_allclose(full, np.load(d / "ref_logits_blockcausal.npy")[0], atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("cache", ["prefix", pytest.param("none", marks=pytest.mark.slow)])
+def test_llada2_early_stop_rows_equal_reference(cache):
+  """Block diffusion with rows that stop early (per row: EOS fill from the block end, no more forwards)."""
+  gcfg = make_config("threshold", cache, False, gen_length=G2)
+  res, refs = check_against_reference("llada2_eos", LLADA2_ROWS, gcfg)
+  stopped = [506 in ref.canvas[len(p):] for p, ref in zip(LLADA2_ROWS, refs)]
+  assert stopped == [True, True, False]
+  for p, ref in zip(LLADA2_ROWS[:2], refs[:2]):
+    assert ref.canvas[16:] == [506] * (len(ref.canvas) - 16)  # EOS decoded in [8, 16): filled from 16
+
+
 @pytest.mark.slow
 def test_llada2_block_diffusion_batch1():
-  check_against_reference("llada2", [LLADA2_ROWS[1]], make_config("threshold", "prefix", False))
+  check_against_reference("llada2", [LLADA2_ROWS[1]], make_config("threshold", "prefix", False, gen_length=G2))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from dinfer_jax.engine.generate import generate
-from tests.engine.golden import golden_cases, load_model, trace_config
+from tests.engine.golden import DOUBLE_REFRESH, golden_cases, load_model, load_traces, trace_config
 from tests.engine.reference import reference_generate
 
 # One representative case per configuration and set for the default run (slots rotated so that early stop,
@@ -78,3 +78,33 @@ def test_reference_matches_trace(case):
   # The same forwards, in order: kind and input range.
   assert [(KINDS[k], [a, b]) for k, a, b in ref.forwards] == [(f["kind"], f["input_range"]) for f in case["forwards"]]
   assert [list(b) for b in ref.blocks] == case["blocks_visited"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DOUBLE_REFRESH)
+def test_double_refresh_cases_refresh_once(name):
+  """Where dInfer refreshes block 1 twice (block 0 finished during the vicinity warm-up), the engine and the
+  reference refresh once per block entry (Decisions §6), agree with each other, and agree with the trace on
+  every forward before dInfer's second refresh."""
+  case = next(c for c in load_traces("A")["cases"] if c["name"] == name)
+  gcfg = trace_config(case)
+  params, cfg = load_model("A")
+  ref = reference_generate(params, cfg, case["prompt_ids"], gcfg)
+  res = generate((params, cfg), [case["prompt_ids"]], gcfg)
+  assert res.canvas[0] == ref.canvas and res.commit_step[0] == ref.commit_step and res.nfe == ref.nfe
+  refreshes = [blk for (kind, _, _), blk in zip(ref.forwards, ref.forward_block) if kind == "refresh"]
+  assert len(refreshes) == len(set(refreshes))
+  # dInfer's second refresh of a block: the trace and the engine part there.
+  seen = set()
+  for j, (f, d) in enumerate(zip(case["forwards"], case["decode_calls"])):
+    if f["kind"] == "full_refresh":
+      if tuple(d["block"]) in seen:
+        break
+      seen.add(tuple(d["block"]))
+  else:
+    raise AssertionError("no double refresh in the trace")
+  assert [(KINDS[k], [a, b]) for k, a, b in ref.forwards[:j]] == [(f["kind"], f["input_range"]) for f in case["forwards"][:j]]
+  P = case["prompt_length"]
+  for pos, step in enumerate(case["commit_step"]):
+    if 1 <= step <= j:
+      assert ref.commit_step[pos] == step and ref.canvas[P + pos] == case["canvas"][P + pos]
