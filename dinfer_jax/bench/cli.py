@@ -87,7 +87,8 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
     for _, key, fmt in COLUMNS:
       v = m.get(key)
       cells.append("n/a" if v is None else fmt.format(v))
-    lines.append(f"| {LABELS.get(name, name)} | {m['decoder']} | {cache} | " + " | ".join(cells) + " |")
+    label = LABELS.get(name) or LABELS.get(name.rsplit("_", 1)[0], name)
+    lines.append(f"| {label} | {m['decoder']} | {cache} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 

@@ -96,7 +96,9 @@ def _prompts(cfg: ModelConfig, batch: int, length: int) -> list[list[int]]:
   return [[int(t) if int(t) not in bad else 7 for t in rng.integers(10, hi, size=length)] for _ in range(batch)]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, on_row=lambda partial: None) -> dict[str, Any]:
+  """Runs the check; on_row(partial results) is called after every row (main writes the JSON each time, so a
+  run cut short by a timeout still leaves what it measured)."""
   t_start = time.perf_counter()
   cfg = tiny_config() if args.tiny else ModelConfig.llada_moe_7b_a1b()
   dtype = jnp.float32 if args.tiny else jnp.bfloat16
@@ -166,8 +168,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       row["hbm_fraction_full"] = row["hbm_roofline_full_ms"] / row["full_fwd_ms"]
       row["engine_overhead"] = wall / (n_full * fwd["full"] + n_cached * fwd["cached"])
       rows.append(row)
+      on_row(_result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped))
+  return _result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped)
+
+
+def _result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped) -> dict[str, Any]:
   return {
-      "config": "tiny" if args.tiny else "llada_moe_7b_a1b", "dtype": jnp.dtype(dtype).name, "params": n_params,
+      "config": "llada_moe_7b_a1b" if cfg == ModelConfig.llada_moe_7b_a1b() else "tiny", "dtype": jnp.dtype(dtype).name, "params": n_params,
       "weight_bytes_per_forward": {"cached_b1": bytes_per_forward(cfg, dtype_bytes=dtype_bytes, batch=1, tokens=L,
                                                                   kv_len=P + G, logits_tokens=L)},
       "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "dinfer_tpf": DINFER_TPF,
@@ -214,10 +221,19 @@ def main(argv=None) -> int:
   ap.add_argument("--budget-s", type=float, default=400.0,
                   help="skip configs not yet started after this many seconds (the check must end in 8 minutes)")
   args = ap.parse_args(argv)
-  res = run(args)
+  def write(res):
+    if args.json_out:
+      pathlib.Path(args.json_out).write_text(json.dumps(res, indent=1))
+
+  def on_row(res):
+    write(res)
+    r = res["rows"][-1]
+    print(f"[{res['total_s']:.0f}s] batch {r['batch']} k {r['k']}: cached fwd {r['cached_fwd_ms']:.2f} ms, "
+          f"full fwd {r['full_fwd_ms']:.2f} ms, {r['fwd_per_s_in_generate']:.1f} fwd/s in generate", flush=True)
+
+  res = run(args, on_row)
+  write(res)
   print(markdown(res))
-  if args.json_out:
-    pathlib.Path(args.json_out).write_text(json.dumps(res, indent=1))
   return 0
 
 

@@ -126,8 +126,12 @@ def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, 
   if mode != "block_diffusion":
     mask = ((blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]) if static["block_causal"] else valid
     lg = {} if smoothing else {"logits_len": L}
-    full = _chained(lambda p, inp, m, s: forward(p, mcfg, positions=pos, mask=m, logits_start=s, **inp, **lg).logits,
-                    chain)
+    keep_kv = mode in ("prefix", "dual")  # a refresh forward's K/V go into the cache: keep them live
+
+    def full_fwd(p, inp, m, s):
+      out = forward(p, mcfg, positions=pos, mask=m, logits_start=s, **inp, **lg)
+      return (out.logits, out.kv) if keep_kv else out.logits
+    full = _chained(full_fwd, chain)
     full_in = inputs(canvas)
     fns["full"] = lambda: full(params, full_in, mask, jnp.int32(C))
   if mode in ("prefix", "dual", "block_diffusion"):
