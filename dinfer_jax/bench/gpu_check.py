@@ -169,11 +169,42 @@ def run(args: argparse.Namespace, on_row=lambda partial: None) -> dict[str, Any]
       row["engine_overhead"] = wall / (n_full * fwd["full"] + n_cached * fwd["cached"])
       rows.append(row)
       on_row(_result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped))
-  return _result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped)
+  stepped = None
+  if args.stepped_k:
+    if time.perf_counter() - t_start < args.stepped_start_s:
+      stepped = _stepped_row(params, cfg, G, L, P, args.stepped_k, rows)
+    else:
+      skipped.append("Python-stepped comparison: time budget spent")
+  return _result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped, stepped)
 
 
-def _result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped) -> dict[str, Any]:
+def _stepped_row(params, cfg, G, L, P, k, rows) -> dict[str, Any]:
+  """The same generation (batch 1, fixed_steps k tokens per forward, dual cache) driven step by step from
+  Python (engine.stepped with a JitRunner: a jitted forward per step and a host sync per step)."""
+  from dinfer_jax.engine.stepped import JitRunner, stepped_generate
+  gcfg = GenerationConfig(gen_length=G, block_length=L, decoder="fixed_steps", steps_per_block=max(1, L // k),
+                          cache="dual", early_stop=False)
+  prompt = _prompts(cfg, 1, P)[0]
+  runner = JitRunner()
+  t = time.perf_counter()
+  stepped_generate(params, cfg, prompt, gcfg, runner=runner)
+  first = time.perf_counter() - t
+  t = time.perf_counter()
+  res = stepped_generate(params, cfg, prompt, gcfg, runner=runner)
+  wall = time.perf_counter() - t
+  out = {"batch": 1, "k": k, "nfe": res.nfe, "generate_s": wall, "compile_s": max(0.0, first - wall),
+         "fwd_per_s": res.nfe / wall}
+  eng = [r for r in rows if r["batch"] == 1 and r["k"] == k]
+  if eng:
+    out["engine_generate_s"] = eng[0]["generate_s"]
+    out["engine_speedup"] = wall / eng[0]["generate_s"]
+    out["same_nfe"] = eng[0]["nfe"] == res.nfe
+  return out
+
+
+def _result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped, stepped=None) -> dict[str, Any]:
   return {
+      "stepped": stepped,
       "config": "llada_moe_7b_a1b" if cfg == ModelConfig.llada_moe_7b_a1b() else "tiny", "dtype": jnp.dtype(dtype).name, "params": n_params,
       "weight_bytes_per_forward": {"cached_b1": bytes_per_forward(cfg, dtype_bytes=dtype_bytes, batch=1, tokens=L,
                                                                   kv_len=P + G, logits_tokens=L)},
@@ -197,6 +228,13 @@ def markdown(res: dict[str, Any]) -> str:
         f"{r['compute_roofline_full_ms']:.2f} | {r['nfe']} | {r['generate_s']:.2f} | {r['fwd_per_s_in_generate']:.1f} | "
         f"{r['engine_overhead']:.3f} | {r['implied_tps_per_seq_at_3.87_tpf']:.0f} / "
         f"{r['implied_tps_aggregate_at_3.87_tpf']:.0f} | {r['compile_s']:.1f} |")
+  st = res.get("stepped")
+  if st:
+    lines.append("")
+    lines.append(f"Python-stepped (jitted forward per step, host sync per step), batch 1, k {st['k']}: "
+                 f"{st['generate_s']:.2f} s for {st['nfe']} forwards ({st['fwd_per_s']:.1f} fwd/s)"
+                 + (f"; the engine is {st['engine_speedup']:.2f}x faster (same NFE: {st['same_nfe']})"
+                    if "engine_speedup" in st else ""))
   if res["skipped"]:
     lines.append("")
     lines.append("skipped: " + "; ".join(res["skipped"]))
@@ -218,6 +256,10 @@ def main(argv=None) -> int:
   ap.add_argument("--prompt-length", type=int, default=0)
   ap.add_argument("--repeats", type=int, default=1, help="timed generate calls per config (best)")
   ap.add_argument("--reps", type=int, default=5, help="timed calls per standalone forward (best)")
+  ap.add_argument("--stepped-k", type=int, default=4,
+                  help="also run the Python-stepped loop at batch 1 with this k (0: skip)")
+  ap.add_argument("--stepped-start-s", type=float, default=300.0,
+                  help="start the Python-stepped comparison only before this many seconds")
   ap.add_argument("--budget-s", type=float, default=400.0,
                   help="skip configs not yet started after this many seconds (the check must end in 8 minutes)")
   args = ap.parse_args(argv)

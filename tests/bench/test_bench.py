@@ -116,6 +116,8 @@ def test_gpu_check_tiny(tmp_path, capsys):
   for key in ("cached_fwd_ms", "full_fwd_ms", "fwd_per_s_in_generate", "hbm_fraction_cached",
               "implied_tps_per_seq_at_3.87_tpf", "engine_overhead"):
     assert row[key] > 0, key
+  st = d["stepped"]  # the same generation stepped from Python: same forwards
+  assert st["same_nfe"] and st["nfe"] == row["nfe"] and st["engine_speedup"] > 0
   assert "| batch |" in capsys.readouterr().out
 
 
