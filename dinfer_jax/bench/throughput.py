@@ -66,12 +66,17 @@ def variant_config(name: str, gcfg: GenerationConfig, *, overhead_k: int = 4) ->
 
 
 def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+  times, out = _times(fn, repeats)
+  return statistics.median(times), out
+
+
+def _times(fn: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
   times, out = [], None
   for _ in range(repeats):
     t = time.perf_counter()
     out = fn()
     times.append(time.perf_counter() - t)
-  return statistics.median(times), out
+  return times, out
 
 
 def _best_time(fn: Callable[[], Any], reps: int) -> float:
@@ -180,7 +185,7 @@ def engine_counts(out_counts: dict[str, int], nfe: int) -> dict[str, int]:
 # ----------------------------------------------------------------------------- runs
 
 def run_engine(params, mcfg: ModelConfig, batches: Sequence[Sequence[Sequence[int]]], gcfg: GenerationConfig, *,
-               repeats: int = 3, overhead: bool = True, forward_reps: int = 5, tick: Callable[[], None] = lambda: None,
+               repeats: int = 3, overhead: bool = True, forward_reps: int = 10, tick: Callable[[], None] = lambda: None,
                mesh=None) -> list[CallRecord]:
   """Runs every batch through the jitted engine: one untimed first call per new shape bucket (compile),
   then `repeats` timed calls (median); with overhead=True also times the standalone forwards per shape."""
@@ -203,13 +208,14 @@ def run_engine(params, mcfg: ModelConfig, batches: Sequence[Sequence[Sequence[in
       seen[key] = ((time_forwards(params, mcfg, gcfg, lay0, static0, forward_reps),
                     time_forwards_chained(params, mcfg, gcfg, lay0, static0)) if overhead else None)
     tick()
-    wall, (res, lay, static) = _median_time(lambda: call(batch), repeats)
+    times, (res, lay, static) = _times(lambda: call(batch), repeats)
+    wall = statistics.median(times)
     for _ in range(repeats):
       tick()
     counts = engine_counts(res.forward_counts, res.nfe)
     fwd = seen[key]
     records.append(CallRecord(
-        wall_s=wall, num_tokens=list(res.num_tokens), row_nfe=list(res.row_nfe), nfe=res.nfe,
+        wall_s=wall, wall_min_s=min(times), num_tokens=list(res.num_tokens), row_nfe=list(res.row_nfe), nfe=res.nfe,
         forward_counts=counts, compile_s=max(0.0, first_s - wall) if first_s is not None else 0.0,
         predicted_forward_s=predicted_forward_time(counts, fwd[0]) if fwd is not None else None,
         predicted_device_s=predicted_forward_time(counts, fwd[1]) if fwd is not None else None,
