@@ -72,10 +72,8 @@ def _add_eval(sub):
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
   p.add_argument("--show", type=int, default=0, help="print the first N problems with answers")
-  add_generation_flags(p)
-  # Knobs not given on the command line come from the model's generation_config.json.
-  from train_td.evaluate import GEN_FIELDS, UNSET
-  p.set_defaults(func=cmd_eval, **{name: UNSET for name in GEN_FIELDS})
+  add_generation_flags(p)  # knobs not given come from the model's generation_config.json
+  p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args) -> int:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -22,33 +21,6 @@ from dinfer_jax.engine.config import GenerationConfig
 from train_td import data as data_lib
 from train_td import tasks as tasks_lib
 from train_td import tokenizer as tok_lib
-
-UNSET = object()
-GEN_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationConfig))
-
-
-def model_generation_defaults(path: str | pathlib.Path | None) -> dict[str, Any]:
-  """The GenerationConfig knobs stored in a model directory's generation_config.json (known keys only)."""
-  if path is None:
-    return {}
-  f = pathlib.Path(path) / "generation_config.json"
-  if not f.is_file():
-    return {}
-  raw = json.loads(f.read_text())
-  return {k: v for k, v in raw.items() if k in GEN_FIELDS}
-
-
-def generation_config_from(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> GenerationConfig:
-  kw = {}
-  for name in GEN_FIELDS:
-    v = values.get(name, UNSET)
-    if v is UNSET:
-      if name in defaults:
-        kw[name] = defaults[name]
-      continue
-    kw[name] = v
-  return GenerationConfig(**kw)
-
 
 def decode(ids: Sequence[int], tokenizer=None) -> str:
   if tokenizer is not None:
@@ -108,8 +80,8 @@ def evaluate(model, task: str, n: int, gcfg: GenerationConfig, *, seed: int = 0,
 def main(args) -> int:
   import dinfer_jax
   model = dinfer_jax.load(args.model if args.model != "default" else None, dtype=args.dtype)
-  values = {name: getattr(args, name, UNSET) for name in GEN_FIELDS}
-  gcfg = generation_config_from(values, model_generation_defaults(model.path))
+  from dinfer_jax.cli import generation_config
+  gcfg = generation_config(args, model.path)  # dataclass < model's generation_config.json < flags
   res = evaluate(model, args.task, args.n, gcfg, seed=args.seed, batch=args.batch)
   problems = tasks_lib.test_problems(args.task, args.n, args.seed)
   for p, a, k in list(zip(problems, res["answers"], res["ok"]))[:args.show]:

@@ -13,6 +13,7 @@ Run directory layout:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -130,6 +131,12 @@ def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransfor
   return jax.jit(step, donate_argnums=(0, 1))
 
 
+@functools.lru_cache(maxsize=8)
+def _default_step(tc: TrainConfig):
+  # One compiled step per config: runs of the same config in one process (tests, resume) reuse it.
+  return make_train_step(objective.make_loss_fn(tc.model_config(), eps=tc.eps_t), make_optimizer(tc))
+
+
 def init_state(tc: TrainConfig, optimizer=None):
   cfg = tc.model_config()
   params = params_lib.init_params(cfg, jax.random.PRNGKey(tc.seed), jnp.float32)
@@ -212,13 +219,11 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   else:
     cfg_path.write_text(json.dumps(tc.to_json(), indent=2) + "\n")
 
-  cfg = tc.model_config()
   optimizer = make_optimizer(tc)
-  loss_fn = loss_fn or objective.make_loss_fn(cfg, eps=tc.eps_t)
   if get_batch is None:
     dcfg = tc.data_config()
     get_batch = lambda s: data_lib.get_batch(dcfg, s)  # noqa: E731
-  step_fn = make_train_step(loss_fn, optimizer)
+  step_fn = _default_step(tc) if loss_fn is None else make_train_step(loss_fn, optimizer)
 
   have = latest_step(run_dir)
   if resume and have is None:

@@ -1,0 +1,199 @@
+"""train_td objective and trainer: hand-computed loss, an optimizer step, determinism, resume, export."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from train_td import data as data_lib
+from train_td import export as export_lib
+from train_td import objective, trainer
+from train_td import tokenizer as tok_lib
+
+TINY = dict(d_model=32, n_layers=2, n_heads=2, n_experts=4, n_experts_per_tok=2, expert_ffn_dim=32,
+            batch_size=4, steps=3, warmup_steps=1, lr=1e-2, log_every=1, ckpt_every=2,
+            mix=(("arithmetic", 1.0),))  # one batch shape: one compile
+
+
+def tiny_config(**kw):
+  return trainer.TrainConfig(**{**TINY, **kw})
+
+
+def leaves_equal(a, b):
+  la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+  return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+# ------------------------------------------------------------------------------------------- data
+def test_rows_layout():
+  p = data_lib.tasks_lib.Problem(task="arithmetic", prompt="3+4", answer="7", split_keys=("k",))
+  rows = data_lib.make_rows([p], prompt_width=8, answer_len=6)
+  ids = data_lib.encode_text
+  assert rows["tokens"][0].tolist() == ([0, 0, 0, tok_lib.USER_ID] + ids("3+4") + [tok_lib.ASSISTANT_ID]
+                                        + ids("7") + [tok_lib.EOS_ID] * 5)
+  assert rows["valid"][0].tolist() == [False] * 3 + [True] * 11
+  assert rows["positions"][0].tolist() == [0, 0, 0] + list(range(11))
+  assert rows["answer"][0].tolist() == [False] * 8 + [True] * 6
+  # The same ids the shipped tokenizer's chat template produces.
+  tok = tok_lib.build_tokenizer()
+  text = tok.apply_chat_template([{"role": "user", "content": "3+4"}], tokenize=False, add_generation_prompt=True)
+  assert tok.encode(text, add_special_tokens=False) == data_lib.encode_prompt("3+4")
+
+
+def test_batches_are_deterministic_and_step_dependent():
+  dc = data_lib.DataConfig(batch_size=8, seed=3)
+  t1, b1 = data_lib.get_batch(dc, 5)
+  t2, b2 = data_lib.get_batch(dc, 5)
+  assert t1 == t2 and all(np.array_equal(b1[k], b2[k]) for k in b1)
+  _, b3 = data_lib.get_batch(dc, 6)
+  assert not np.array_equal(b1["tokens"], b3["tokens"]) or b1["tokens"].shape != b3["tokens"].shape
+  tasks_seen = {data_lib.batch_task(dc, s) for s in range(50)}  # the default mix
+  assert tasks_seen == {"arithmetic", "program"}
+
+
+# ------------------------------------------------------------------------------------------- loss
+def test_loss_hand_case():
+  V = 5
+  # Row 0: positions 2, 3 masked, t = 0.5, answer length 4.  Row 1: position 3 masked, t = 0.25.
+  logits = jnp.log(jnp.asarray(np.full((2, 5, V), 1.0 / V), jnp.float32))
+  logits = logits.at[0, 2].set(jnp.log(jnp.asarray([0.5, 0.125, 0.125, 0.125, 0.125])))
+  targets = jnp.asarray([[1, 1, 0, 3, 4], [1, 1, 2, 2, 2]])
+  masked = jnp.asarray([[False, False, True, True, False], [False, False, False, True, False]])
+  t = jnp.asarray([0.5, 0.25])
+  per_row = objective.masked_diffusion_loss_from_masked(logits, targets, masked, t, jnp.asarray([4, 4]))
+  want0 = (-np.log(0.5) - np.log(1 / V)) / 0.5 / 4
+  want1 = (-np.log(1 / V)) / 0.25 / 4
+  np.testing.assert_allclose(np.asarray(per_row), [want0, want1], rtol=1e-6)
+
+
+def test_mask_only_answer_and_t_range():
+  answer = jnp.asarray(np.tile([False] * 6 + [True] * 10, (64, 1)))
+  fractions = []
+  for i in range(20):
+    t, masked = objective.sample_mask(jax.random.PRNGKey(i), answer, eps=1e-3)
+    assert bool(jnp.all((t > 1e-3 - 1e-7) & (t <= 1.0)))
+    assert not bool(jnp.any(masked & ~answer))  # the prompt is never masked
+    fractions.append(np.asarray(masked[:, 6:].mean(-1)) - np.asarray(t))
+  # The masked fraction of each row tracks its t.
+  assert abs(float(np.mean(fractions))) < 0.03
+
+
+def test_full_loss_weights_by_t(monkeypatch):
+  tc = tiny_config()
+  cfg = tc.model_config()
+  params, _ = trainer.init_state(tc)
+  _, batch = data_lib.get_batch(tc.data_config(), 0)
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  t_fixed = 0.5
+  fixed = objective.sample_mask(jax.random.PRNGKey(0), batch["answer"])[1]
+  monkeypatch.setattr(objective, "sample_mask",
+                      lambda rng, answer, eps=1e-3: (jnp.full((answer.shape[0],), t_fixed), fixed))
+  loss, metrics = objective.make_loss_fn(cfg)(params, batch, jax.random.PRNGKey(0))
+  from dinfer_jax.model.transformer import forward
+  noised = jnp.where(fixed, cfg.mask_token_id, batch["tokens"])
+  assert bool(jnp.all(noised[~batch["answer"]] == batch["tokens"][~batch["answer"]]))
+  logits = forward(params, cfg, noised, positions=batch["positions"], mask=batch["valid"]).logits
+  logp = jax.nn.log_softmax(logits, -1)
+  ce = -jnp.take_along_axis(logp, batch["tokens"][..., None], -1)[..., 0]
+  want = float(jnp.mean(jnp.where(fixed, ce, 0).sum(-1) / t_fixed / tc.answer_len))
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  assert metrics["masked_tokens"] == float(fixed.sum())
+
+
+def test_optimizer_steps_decrease_loss():
+  tc = tiny_config()
+  cfg = tc.model_config()
+  loss_fn = objective.make_loss_fn(cfg)
+  params, _ = trainer.init_state(tc)
+  opt = optax.adam(3e-3)
+  step = trainer.make_train_step(loss_fn, opt)
+  _, batch = data_lib.get_batch(tc.data_config(), 0)
+  rng = jax.random.PRNGKey(1)
+  before = float(loss_fn(params, batch, rng)[0])
+  p, s = params, opt.init(params)
+  for _ in range(3):
+    p, s, m = step(p, s, batch, rng)
+  after = float(loss_fn(p, batch, rng)[0])
+  assert after < before
+  assert np.isfinite(float(m["grad_norm"]))
+
+
+def test_schedule_warmup_then_cosine():
+  tc = tiny_config(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
+  sch = trainer.make_schedule(tc)
+  assert float(sch(10)) == pytest.approx(1e-3)
+  assert float(sch(5)) == pytest.approx(5e-4)
+  assert float(sch(100)) == pytest.approx(1e-4)
+  assert float(sch(50)) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------- trainer
+@pytest.fixture(scope="module")
+def three_step_run(tmp_path_factory):
+  d = tmp_path_factory.mktemp("run_a")
+  out = trainer.train(tiny_config(), d, progress=False)
+  return d, out
+
+
+def test_deterministic_runs(three_step_run, tmp_path):
+  d, out = three_step_run
+  out2 = trainer.train(tiny_config(), tmp_path / "b", progress=False)
+  assert leaves_equal(out["params"], out2["params"])
+  lines = [json.loads(x) for x in (d / trainer.METRICS).read_text().splitlines()]
+  assert [x["step"] for x in lines] == [1, 2, 3]
+  assert all(k in lines[0] for k in ("loss", "lr", "tokens_per_s", "grad_norm"))
+  # A different seed gives different weights.
+  out3 = trainer.train(tiny_config(seed=1), tmp_path / "c", progress=False)
+  assert not leaves_equal(out["params"], out3["params"])
+
+
+def test_resume_continues_at_the_right_step(three_step_run, tmp_path):
+  d_full, full = three_step_run
+  d = tmp_path / "r"
+  first = trainer.train(tiny_config(), d, progress=False, stop_at=2)
+  assert first["step"] == 2 and trainer.latest_step(d) == 2
+  with pytest.raises(FileExistsError):
+    trainer.train(tiny_config(), d, progress=False, resume=False)
+  second = trainer.train(tiny_config(), d, progress=False, resume=True)
+  assert second["step"] == 3 and trainer.latest_step(d) == 3
+  steps = [json.loads(x)["step"] for x in (d / trainer.METRICS).read_text().splitlines()]
+  assert steps == [1, 2, 3]
+  # Interrupted + resumed follows the uninterrupted trajectory exactly.
+  assert leaves_equal(second["params"], full["params"])
+  params, opt_state, s = trainer.restore(d)
+  assert s == 3 and leaves_equal(params, full["params"])
+  with pytest.raises(ValueError, match="differs"):
+    trainer.train(tiny_config(lr=5e-3), d, progress=False)
+
+
+# ------------------------------------------------------------------------------------------- export
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_export_load_round_trip(three_step_run, tmp_path, dtype):
+  import dinfer_jax
+  d, _ = three_step_run
+  out = tmp_path / "hf"
+  res = export_lib.export_run(d, out, dtype=dtype)
+  assert res["step"] == 3
+  hf = json.loads((out / "config.json").read_text())
+  assert hf["model_type"] == "llada" and hf["architectures"] == ["LLaDAMoEModelLM"]
+  assert (hf["mask_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (2, 1, 0)
+  assert hf["norm_topk_prob"] is False and hf["qk_layernorm"] is True and hf["torch_dtype"] == dtype
+  assert hf["shared_expert_intermediate_size"] is None and hf["partial_rotary_factor"] == 1.0
+  gen = json.loads((out / "generation_config.json").read_text())
+  assert gen == export_lib.DEFAULT_GENERATION
+  from dinfer_jax import checkpoint
+  cfg = trainer.load_train_config(d).model_config()
+  from dinfer_jax.checkpoint import safetensors_io
+  assert set(safetensors_io.WeightSet(out).keys()) == set(checkpoint.expected_hf_keys(cfg))
+  model = dinfer_jax.load(out)
+  assert model.tokenizer is not None and model.config.n_experts == 4
+  params, _, _ = trainer.restore(d)
+  if dtype == "bfloat16":
+    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+  ids = [data_lib.encode_prompt("12+34") + [tok_lib.MASK_ID] * 4]
+  from dinfer_jax.model.transformer import forward
+  want = forward(params, cfg, jnp.asarray(ids)).logits
+  got = dinfer_jax.forward(model, ids)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
