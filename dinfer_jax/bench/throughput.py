@@ -92,7 +92,9 @@ def _best_time(fn: Callable[[], Any], reps: int) -> float:
 # ----------------------------------------------------------------------------- standalone forwards
 
 def _chained(f, n: int):
-  """f(p, inp, *rest) -> n calls of f in one program, each call's input depending on the previous output."""
+  """f(p, inp, *rest) -> n calls of f in one program, each call's input depending on the previous output.
+  Everything but the params and inputs is passed as an argument, never closed over, so XLA cannot
+  constant-fold positions or masks into a cheaper forward than the engine's."""
   if not n:
     return jax.jit(f)
 
@@ -100,8 +102,8 @@ def _chained(f, n: int):
     def body(_, carry):
       x, acc = carry
       y = f(p, x, *rest)
-      leaf = jax.tree_util.tree_leaves(y)[0]
-      bump = (leaf.reshape(-1)[0] > 3e38).astype(jnp.int32)  # never true; a dependence XLA cannot drop
+      # Never true; a dependence on every output (logits and K/V) that XLA cannot drop.
+      bump = sum((jnp.max(leaf).astype(jnp.float32) > 3e38).astype(jnp.int32) for leaf in jax.tree_util.tree_leaves(y))
       x = jax.tree_util.tree_map(lambda a: a + bump.astype(a.dtype), x)
       return x, acc + bump
     return jax.lax.fori_loop(0, n, body, (inp, jnp.int32(0)))[1]
@@ -133,12 +135,12 @@ def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, 
     lg = {} if smoothing else {"logits_len": L}
     keep_kv = mode in ("prefix", "dual")  # a refresh forward's K/V go into the cache: keep them live
 
-    def full_fwd(p, inp, m, s):
-      out = forward(p, mcfg, positions=pos, mask=m, logits_start=s, **inp, **lg)
+    def full_fwd(p, inp, ps, m, s):
+      out = forward(p, mcfg, positions=ps, mask=m, logits_start=s, **inp, **lg)
       return (out.logits, out.kv) if keep_kv else out.logits
     full = _chained(full_fwd, chain)
     full_in = inputs(canvas)
-    fns["full"] = lambda: full(params, full_in, mask, jnp.int32(C))
+    fns["full"] = lambda: full(params, full_in, pos, mask, jnp.int32(C))
   if mode in ("prefix", "dual", "block_diffusion"):
     c0 = C if mode == "block_diffusion" else int(min(max(C - gcfg.prefix_look, 0), Tc - W))
     if mode == "prefix":
@@ -148,14 +150,15 @@ def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, 
     wpos = pos[:, c0:c0 + W]
     write = jnp.ones((Bsz, W), bool)
     lg = {} if smoothing else {"logits_len": L}
-    cached = _chained(lambda p, inp, kv, c, s: forward(p, mcfg, positions=wpos, mask=valid, cache=kv, cache_start=c,
-                                                       write_mask=write, logits_start=s, **inp, **lg).logits, chain)
-    fns["cached"] = lambda: cached(params, win_in, cache, jnp.int32(c0), jnp.int32(C - c0))
+    cached = _chained(lambda p, inp, kv, ps, m, wm, c, s: forward(
+        p, mcfg, positions=ps, mask=m, cache=kv, cache_start=c, write_mask=wm, logits_start=s, **inp, **lg).logits,
+        chain)
+    fns["cached"] = lambda: cached(params, win_in, cache, wpos, valid, write, jnp.int32(c0), jnp.int32(C - c0))
   if mode == "block_diffusion":
     P = grid.prefill_len
     bc = (blk_of[None, :P, None] >= blk_of[None, None, :P]) & valid[:, None, :P]
-    pre = _chained(lambda p, inp: forward(p, mcfg, positions=pos[:, :P], mask=bc, **inp).kv.k, chain)
-    fns["prefill"] = lambda: pre(params, {"tokens": canvas[:, :P]})
+    pre = _chained(lambda p, inp, ps, m: forward(p, mcfg, positions=ps, mask=m, **inp).kv, chain)
+    fns["prefill"] = lambda: pre(params, {"tokens": canvas[:, :P]}, pos[:, :P], bc)
   return fns
 
 
