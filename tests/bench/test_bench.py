@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 
 import pytest
 
-from dinfer_jax import cli
+from dinfer_jax import api, cli
 from dinfer_jax.bench import gpu_check, metrics, throughput
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.generate import count_generated, generate
@@ -127,3 +128,13 @@ def test_roofline_bytes_llada_moe():
   b = gpu_check.bytes_per_forward(cfg, dtype_bytes=2, batch=1, tokens=64, kv_len=1088, logits_tokens=64)
   assert b["experts_touched_per_layer"] == pytest.approx(64, abs=0.01)
   assert 13.5e9 < b["weights"] < 14.5e9
+
+
+@pytest.mark.skipif(not (pathlib.Path(api.DEFAULT_MODEL_DIR) / "config.json").exists(),
+                    reason="the embedded default model is not installed")
+def test_bench_default_model(tmp_path):
+  """The defaults: the embedded model, its generation_config.json and the built-in text prompts."""
+  out = tmp_path / "bench.json"
+  assert cli.main(["bench", "--variants", "engine", "--repeats", "1", "--no-progress", "--json", str(out)]) == 0
+  d = json.loads(out.read_text())
+  assert d["prompts"] == len(throughput.TEXT_PROMPTS) and d["nfe"] > 0 and d["per_seq_tps_mean"] > 0
