@@ -132,6 +132,24 @@ def _grid(default):
                        marks=() if combo in default else pytest.mark.slow) for combo in ALL]
 
 
+def test_reference_is_independent_of_the_engine():
+  """The reference (now dinfer_jax.engine.stepped, re-exported by tests/engine/reference.py) must not use the
+  engine's loop, layout, iteration manager or cache manager, or it would check the engine against itself."""
+  import ast
+  import inspect
+
+  from dinfer_jax.engine import stepped
+  imported = set()
+  for node in ast.walk(ast.parse(inspect.getsource(stepped))):
+    if isinstance(node, ast.ImportFrom):
+      imported |= {f"{node.module}.{a.name}" for a in node.names}
+    elif isinstance(node, ast.Import):
+      imported |= {a.name for a in node.names}
+  ours = {m for m in imported if m.startswith("dinfer_jax")}
+  assert ours <= {"dinfer_jax.decoders", "dinfer_jax.cache.KVCache", "dinfer_jax.model.transformer.forward"}, ours
+  assert ref_lib.reference_generate is stepped.reference_generate
+
+
 def test_default_subset_covers_the_grid():
   combos = DEFAULT_BATCH3
   assert {d for d, _, _ in combos} == set(DECODERS)
