@@ -73,18 +73,7 @@ class FixedStepsDecoder:
            rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array, FixedStepsState]:
     """One scheduled step.
 
-    Args:
-      state: FixedStepsState of this block.
-      logits: [B, L, V] block logits (cast to fp32).
-      tokens: [B, L] int32 block canvas.
-      maskable: [B, L] bool block membership.
-      mask_id: static MASK id.
-      threshold: ignored (no threshold in this schedule).
-      temperature: static float; 0 is argmax.
-      rng: PRNG key (or [B] keys), read only when temperature > 0.
-
-    Returns:
-      (new_tokens [B, L] int32, committed [B, L] bool, new_state).
+    Arguments and results as in `common.Decoder.step`.
     """
     del threshold
     prop = common.propose(logits, mask_id=mask_id, temperature=temperature, rng=rng)
@@ -123,18 +112,7 @@ class FastDLLMDecoder(common.Stateless):
            rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array, tuple[()]]:
     """One Fast-dLLM step.
 
-    Args:
-      state: () from init_state.
-      logits: [B, L, V] block logits (cast to fp32).
-      tokens: [B, L] int32 block canvas.
-      maskable: [B, L] bool block membership.
-      mask_id: static MASK id.
-      threshold: fp32 scalar threshold of this step; None means self.threshold.
-      temperature: static float; 0 is argmax.
-      rng: PRNG key (or [B] keys), read only when temperature > 0.
-
-    Returns:
-      (new_tokens [B, L] int32, committed [B, L] bool, state).
+    Arguments and results as in `common.Decoder.step`.
     """
     thr = common.resolve_threshold(threshold, self.threshold)
     prop = common.propose(logits, mask_id=mask_id, temperature=temperature, rng=rng)

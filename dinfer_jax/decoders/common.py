@@ -34,7 +34,22 @@ class Decoder(Protocol):
   def step(self, state: PyTree, logits: jax.Array, tokens: jax.Array, maskable: jax.Array, *,
            mask_id: int, threshold: jax.Array, temperature: float,
            rng: jax.Array | None) -> tuple[jax.Array, jax.Array, PyTree]:
-    """One decoding step; returns (new_tokens [B, L] int32, committed [B, L] bool, new_state)."""
+    """One decoding step.
+
+    Args:
+      state: from init_state (or the previous step).
+      logits: [B, L, V] block logits (cast to fp32).
+      tokens: [B, L] int32 block canvas.
+      maskable: [B, L] bool block membership.
+      mask_id: static MASK id.
+      threshold: fp32 scalar threshold of this step (iteration smoothing relaxes it); None means the
+        decoder's own. Decoders without a threshold ignore it.
+      temperature: static float; 0 is argmax.
+      rng: PRNG key (or [B] keys), read only when temperature > 0.
+
+    Returns:
+      (new_tokens [B, L] int32, committed [B, L] bool, new_state); committed positions were masked.
+    """
 
 
 class Stateless:

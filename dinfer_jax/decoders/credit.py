@@ -65,18 +65,7 @@ class CreditDecoder:
            rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array, CreditState]:
     """One credit step.
 
-    Args:
-      state: CreditState of this block.
-      logits: [B, L, V] block logits (cast to fp32).
-      tokens: [B, L] int32 block canvas.
-      maskable: [B, L] bool block membership.
-      mask_id: static MASK id.
-      threshold: fp32 scalar threshold of this step; None means self.threshold.
-      temperature: static float; 0 is argmax.
-      rng: PRNG key (or [B] keys), read only when temperature > 0.
-
-    Returns:
-      (new_tokens [B, L] int32, committed [B, L] bool, new_state).
+    Arguments and results as in `common.Decoder.step`.
     """
     if logits.shape[-1] != self.vocab_size:
       raise ValueError(f"CreditDecoder.vocab_size: {self.vocab_size} does not match the logits' vocab "

@@ -67,18 +67,7 @@ class HierarchyDecoder(common.Stateless):
            rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array, tuple[()]]:
     """One hierarchical step.
 
-    Args:
-      state: () from init_state.
-      logits: [B, L, V] block logits (cast to fp32).
-      tokens: [B, L] int32 block canvas.
-      maskable: [B, L] bool block membership.
-      mask_id: static MASK id.
-      threshold: fp32 scalar high threshold of this step; None means self.threshold.
-      temperature: static float; 0 is argmax.
-      rng: PRNG key (or [B] keys), read only when temperature > 0.
-
-    Returns:
-      (new_tokens [B, L] int32, committed [B, L] bool, state).
+    Arguments and results as in `common.Decoder.step`.
     """
     high = common.resolve_threshold(threshold, self.threshold)
     prop = common.propose(logits, mask_id=mask_id, temperature=temperature, rng=rng)

@@ -32,18 +32,7 @@ class ThresholdDecoder(common.Stateless):
            rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array, tuple[()]]:
     """One threshold step.
 
-    Args:
-      state: () from init_state.
-      logits: [B, L, V] block logits (cast to fp32).
-      tokens: [B, L] int32 block canvas.
-      maskable: [B, L] bool block membership.
-      mask_id: static MASK id.
-      threshold: fp32 scalar threshold of this step; None means self.threshold.
-      temperature: static float; 0 is argmax.
-      rng: PRNG key (or [B] keys), read only when temperature > 0.
-
-    Returns:
-      (new_tokens [B, L] int32, committed [B, L] bool, state).
+    Arguments and results as in `common.Decoder.step`.
     """
     new_tokens, committed = common.threshold_decode(
         logits, tokens, maskable, mask_id=mask_id,
