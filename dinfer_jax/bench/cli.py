@@ -37,6 +37,8 @@ def register(subparsers) -> None:
   b.add_argument("--variants", default=",".join(throughput.VARIANTS),
                  help=f"comma list of {', '.join(throughput.VARIANTS)}")
   b.add_argument("--overhead-k", type=int, default=4, help="tokens per forward of the overhead probe (fixed_steps)")
+  b.add_argument("--overhead-gen-length", type=int, default=0,
+                 help="gen_length of the overhead probe (default: the config's); the probe never stops early")
   b.add_argument("--json", dest="json_out", default=None, help="write the results as one JSON object here")
   b.add_argument("--no-progress", action="store_true")
   cli.add_generation_flags(b)
@@ -133,6 +135,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
   with use_mesh(model.mesh):
     results = throughput.run_side_by_side(model.params, model.config, prompts, gcfg, batch_size=args.batch_size,
                                           repeats=args.repeats, variants=variants, overhead_k=args.overhead_k,
+                                          overhead_gen_length=args.overhead_gen_length,
                                           progress=not args.no_progress)
   out = summary(results)
   out.update(variants=results, config=_jsonable(gcfg), model=model.path, prompts=len(prompts),

@@ -22,7 +22,7 @@ CACHES = ("none", "dual")
 
 
 def run(model, prompts, gcfg, *, decoders=tuple(DECODERS), caches=CACHES, batch_size=1, repeats=3,
-        overhead_k=4, progress=True) -> dict[str, Any]:
+        overhead_k=4, overhead_gen_length=0, progress=True) -> dict[str, Any]:
   rows = []
   for d in decoders:
     for c in caches:
@@ -40,7 +40,8 @@ def run(model, prompts, gcfg, *, decoders=tuple(DECODERS), caches=CACHES, batch_
                                      repeats=repeats, variants=("fixed_steps", "fastdllm_dual"), progress=progress)
   for c in caches:  # the overhead probe (fixed work per forward) once per cache mode
     r = throughput.run_side_by_side(model.params, model.config, prompts, plain.replace(cache=c), batch_size=batch_size,
-                                    repeats=repeats, variants=("overhead",), overhead_k=overhead_k, progress=progress)
+                                    repeats=repeats, variants=("overhead",), overhead_k=overhead_k,
+                                    overhead_gen_length=overhead_gen_length, progress=progress)
     base[f"overhead_{c}"] = r["overhead"]
   return {"rows": rows, "baselines": base}
 
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
   ap.add_argument("--batch-size", type=int, default=1)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--overhead-k", type=int, default=4)
+  ap.add_argument("--overhead-gen-length", type=int, default=0)
   ap.add_argument("--json", dest="json_out", default=None)
   ap.add_argument("--plot", default=None)
   ap.add_argument("--no-progress", action="store_true")
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
   prompts = bench_cli.load_prompts(model, args.prompts, gcfg)
   t = time.perf_counter()
   res = run(model, prompts, gcfg, batch_size=args.batch_size, repeats=args.repeats, overhead_k=args.overhead_k,
-            progress=not args.no_progress)
+            overhead_gen_length=args.overhead_gen_length, progress=not args.no_progress)
   res.update(machine=bench_cli.machine_info(), model=model.path, prompts=len(prompts), config=bench_cli._jsonable(gcfg),
              batch_size=args.batch_size, repeats=args.repeats, total_s=time.perf_counter() - t,
              engine_overhead={k: v.get("engine_overhead") for k, v in res["baselines"].items() if k.startswith("overhead")},

@@ -49,8 +49,11 @@ def default_token_prompts(mcfg: ModelConfig, mask_id: int, eos_id: int, n: int =
   return out
 
 
-def variant_config(name: str, gcfg: GenerationConfig, *, overhead_k: int = 4) -> GenerationConfig:
-  """The GenerationConfig a variant runs with."""
+def variant_config(name: str, gcfg: GenerationConfig, *, overhead_k: int = 4,
+                   overhead_gen_length: int = 0) -> GenerationConfig:
+  """The GenerationConfig a variant runs with. The overhead probe runs without early stop (fixed work per
+  call, whatever the model), optionally with its own gen_length (more forwards per call amortise the
+  per-call host costs that a very short generation would show)."""
   if name in ("engine", "stepped"):
     return gcfg
   plain = dict(cont_weight=0.0, prefix_look=0, after_look=0, warmup_steps=0)
@@ -60,8 +63,10 @@ def variant_config(name: str, gcfg: GenerationConfig, *, overhead_k: int = 4) ->
     return gcfg.replace(decoder="fastdllm", steps_per_block=0, cache="dual", **plain)
   if name == "overhead":
     k = max(1, min(overhead_k, gcfg.block_length))
-    return gcfg.replace(decoder="fixed_steps", steps_per_block=max(1, gcfg.block_length // k),
-                        cont_weight=0.0)
+    G = overhead_gen_length or gcfg.gen_length
+    G = -(-G // gcfg.block_length) * gcfg.block_length  # fixed_steps needs whole blocks
+    return gcfg.replace(decoder="fixed_steps", steps_per_block=max(1, gcfg.block_length // k), cont_weight=0.0,
+                        early_stop=False, gen_length=G)
   raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
 
 
@@ -256,7 +261,7 @@ def batched(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[list
 
 def run_side_by_side(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, *,
                      batch_size: int = 1, repeats: int = 3, variants: Sequence[str] = VARIANTS,
-                     overhead_k: int = 4, progress: bool = True) -> dict[str, Any]:
+                     overhead_k: int = 4, overhead_gen_length: int = 0, progress: bool = True) -> dict[str, Any]:
   """Runs the variants on the same prompts; returns {"variants": {name: metrics}, ratios...}."""
   from tqdm.auto import tqdm
 
@@ -268,7 +273,7 @@ def run_side_by_side(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]]
   results: dict[str, Any] = {}
   try:
     for v in variants:
-      vcfg = variant_config(v, gcfg, overhead_k=overhead_k)
+      vcfg = variant_config(v, gcfg, overhead_k=overhead_k, overhead_gen_length=overhead_gen_length)
       bar.set_postfix_str(v)
       if v == "stepped":
         recs = run_stepped(params, mcfg, prompts, vcfg, repeats=repeats, tick=lambda: bar.update(1))
@@ -276,7 +281,8 @@ def run_side_by_side(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]]
         recs = run_engine(params, mcfg, batches, vcfg, repeats=repeats, tick=lambda: bar.update(1))
       m = summarize(recs)
       m.update(decoder=vcfg.decoder, cache=vcfg.cache, smoothing=vcfg.smoothing, vicinity=vcfg.vicinity,
-               steps_per_block=vcfg.steps_per_block, batch_size=1 if v == "stepped" else batch_size,
+               steps_per_block=vcfg.steps_per_block, gen_length=vcfg.gen_length, early_stop=vcfg.early_stop,
+               batch_size=1 if v == "stepped" else batch_size,
                forward_counts=_sum_counts(recs))
       results[v] = m
   finally:

@@ -70,7 +70,9 @@ def test_variant_configs():
   assert throughput.variant_config("fixed_steps", GCFG).cache == "none"
   d = throughput.variant_config("fastdllm_dual", GCFG.replace(cont_weight=0.3, cache="none"))
   assert (d.decoder, d.cache, d.cont_weight) == ("fastdllm", "dual", 0.0)
-  assert throughput.variant_config("overhead", GCFG, overhead_k=4).steps_per_block == 2
+  probe = throughput.variant_config("overhead", GCFG, overhead_k=4)
+  assert (probe.decoder, probe.steps_per_block, probe.early_stop, probe.gen_length) == ("fixed_steps", 2, False, 16)
+  assert throughput.variant_config("overhead", GCFG, overhead_gen_length=20).gen_length == 24  # whole blocks
 
 
 # ----------------------------------------------------------------------------- the CLI
