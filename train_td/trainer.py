@@ -62,6 +62,8 @@ class TrainConfig:
   mix: tuple[tuple[str, float], ...] = data_lib.DEFAULT_MIX
   answer_len: int = 16
   seed: int = 0
+  # start from another run's latest checkpoint (params only; fresh optimizer and schedule)
+  init_from: str = ""
   # bookkeeping
   log_every: int = 10
   ckpt_every: int = 250
@@ -234,6 +236,9 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
     params, opt_state, start = restore(run_dir, tc, have, optimizer)
   else:
     params, opt_state = init_state(tc, optimizer)
+    if tc.init_from:
+      params, _, _ = restore(tc.init_from)
+      opt_state = optimizer.init(params)
     start = 0
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
   base_key = jax.random.PRNGKey(tc.seed)

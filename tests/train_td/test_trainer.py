@@ -90,11 +90,12 @@ def test_full_loss_weights_by_t(monkeypatch):
   fixed = objective.sample_mask(jax.random.PRNGKey(0), batch["answer"])[1]
   monkeypatch.setattr(objective, "sample_mask",
                       lambda rng, answer, eps=1e-3: (jnp.full((answer.shape[0],), t_fixed), fixed))
-  loss, metrics = objective.make_loss_fn(cfg)(params, batch, jax.random.PRNGKey(0))
+  loss, metrics = jax.jit(objective.make_loss_fn(cfg))(params, batch, jax.random.PRNGKey(0))
   from dinfer_jax.model.transformer import forward
   noised = jnp.where(fixed, cfg.mask_token_id, batch["tokens"])
   assert bool(jnp.all(noised[~batch["answer"]] == batch["tokens"][~batch["answer"]]))
-  logits = forward(params, cfg, noised, positions=batch["positions"], mask=batch["valid"]).logits
+  logits = jax.jit(lambda p, x, pos, m: forward(p, cfg, x, positions=pos, mask=m).logits)(
+      params, noised, batch["positions"], batch["valid"])
   logp = jax.nn.log_softmax(logits, -1)
   ce = -jnp.take_along_axis(logp, batch["tokens"][..., None], -1)[..., 0]
   want = float(jnp.mean(jnp.where(fixed, ce, 0).sum(-1) / t_fixed / tc.answer_len))
@@ -105,7 +106,7 @@ def test_full_loss_weights_by_t(monkeypatch):
 def test_optimizer_steps_decrease_loss():
   tc = tiny_config()
   cfg = tc.model_config()
-  loss_fn = objective.make_loss_fn(cfg)
+  loss_fn = jax.jit(objective.make_loss_fn(cfg))
   params, _ = trainer.init_state(tc)
   opt = optax.adam(3e-3)
   step = trainer.make_train_step(loss_fn, opt)
