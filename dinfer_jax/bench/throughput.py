@@ -220,6 +220,10 @@ def run_engine(params, mcfg: ModelConfig, batches: Sequence[Sequence[Sequence[in
     wall = statistics.median(times)
     for _ in range(repeats):
       tick()
+    if overhead and repeats < forward_reps:
+      # The overhead compares the fastest call with the fastest of forward_reps standalone forwards: take
+      # as many samples of the call, so that neither minimum is luckier on a noisy machine.
+      times += _times(lambda: call(batch), forward_reps - repeats)[0]
     counts = engine_counts(res.forward_counts, res.nfe)
     fwd = seen[key]
     records.append(CallRecord(
