@@ -1,0 +1,52 @@
+"""The shipped default model (dinfer_jax/assets/default): loads with a tokenizer, answers through the CLI,
+and keeps its measured held-out accuracy."""
+import json
+
+import pytest
+
+import dinfer_jax
+from dinfer_jax import api
+from dinfer_jax import cli
+from train_td import evaluate
+from train_td import export as export_lib
+
+pytestmark = pytest.mark.skipif(not (api.DEFAULT_MODEL_DIR / "config.json").exists(),
+                                reason="the default model is not installed")
+
+# Measured on the shipped weights (train_td/README.md): 20/200 held-out arithmetic problems (seed 0,
+# threshold 0.9, dual cache). The test allows a margin below that.
+ARITHMETIC_ACC_200 = 0.10
+
+
+@pytest.fixture(scope="module")
+def model():
+  return dinfer_jax.load()
+
+
+def test_default_loads_with_tokenizer(model):
+  assert model.tokenizer is not None
+  assert model.config.family == "llada_moe" and model.config.qk_norm
+  assert (model.config.mask_token_id, model.config.eos_token_id) == (2, 1)
+  hf = json.loads((api.DEFAULT_MODEL_DIR / "config.json").read_text())
+  assert hf["model_type"] == "llada" and hf["architectures"] == ["LLaDAMoEModelLM"]
+  gen = json.loads((api.DEFAULT_MODEL_DIR / "generation_config.json").read_text())
+  assert gen == export_lib.DEFAULT_GENERATION
+
+
+def _gcfg():
+  from dinfer_jax.engine.config import GenerationConfig
+  return GenerationConfig(**export_lib.DEFAULT_GENERATION)
+
+
+def test_cli_generate_answers(capsys):
+  # The shipped model is weak (see README): it does not get 348+279 right, so the CLI path is checked on
+  # questions it does answer.
+  assert cli.main(["generate", "What is 40+2?", "What is 2*3?"]) == 0
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert lines == ["### What is 40+2?", "42", "### What is 2*3?", "6"]
+
+
+def test_heldout_arithmetic_accuracy(model):
+  res = evaluate.evaluate(model, "arithmetic", 200, _gcfg(), seed=0, batch=100, warmup=False)
+  assert res["accuracy"] >= ARITHMETIC_ACC_200 - 0.04, res["accuracy"]
+  assert res["mean_nfe"] >= 1.0
