@@ -47,7 +47,7 @@ from orbax.checkpoint import type_handlers as ocp_th
 
 from dinfer_jax.checkpoint.errors import CheckpointError
 from dinfer_jax.config import ConfigError, ModelConfig
-from dinfer_jax.model.params import FP32_PARAMS, abstract_params
+from dinfer_jax.model.params import FP32_PARAMS, abstract_params, leaf_dtype  # noqa: F401 (re-exported)
 
 FORMAT = "dinfer_jax"
 FORMAT_VERSION = 1
@@ -70,10 +70,6 @@ def norm_dtype(dtype) -> np.dtype:
   if dt is None or dt.name not in DTYPES:
     raise CheckpointError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
   return dt
-
-
-def leaf_dtype(path: tuple[str, ...], dtype) -> np.dtype:
-  return np.dtype(np.float32) if path[-1] in FP32_PARAMS else np.dtype(dtype)
 
 
 # ------------------------------------------------------------------------------------------ lazy leaves

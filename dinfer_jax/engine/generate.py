@@ -123,7 +123,7 @@ def generate(model, prompts, config: GenerationConfig | None = None, *, seed: in
   """
   params, mcfg = (model.params, model.config) if hasattr(model, "params") else model
   gcfg = config or GenerationConfig()
-  n_rows = len(normalize_prompts(prompts))
+  prompts = normalize_prompts(prompts)
   with use_mesh(getattr(model, "mesh", None)):
     lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed)
-  return collect(lay, out, n_rows, static["eos_id"])
+  return collect(lay, out, len(prompts), static["eos_id"])
