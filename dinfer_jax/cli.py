@@ -122,7 +122,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.show_steps:
       for line in render_steps(model, res.canvas[r], res.commit_step[r], res.prompt_lengths[r], res.row_nfe[r]):
         print(line)
-    print(decode_tokens(model, res.tokens[r]))
+    # One answer per line: surrounding whitespace (e.g. the default model's column padding, " 627") would
+    # only blur where an answer starts; --show-steps prints the raw canvas.
+    print(decode_tokens(model, res.tokens[r]).strip())
   if args.verbose:
     print(f"[{sum(res.num_tokens)} tokens, nfe {res.nfe}, {dt:.2f}s incl. compile]", file=sys.stderr)
   return 0

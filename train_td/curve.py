@@ -1,7 +1,7 @@
 """Accuracy versus tokens per forward over thresholds, per decoder, with and without iteration smoothing.
 
-  python -m train_td.curve --model default --task arithmetic --n 100 --seed 0 \
-      --md train_td/curve_arithmetic.md --png train_td/curve_arithmetic.png
+  python -m train_td.curve --model default --task arithmetic,program --n 200 --seed 0 \
+      --md train_td/curve.md --png train_td/curve.png
 
 Every point is one held-out evaluation (train_td.evaluate) with the dual cache; the table and the plot
 are written together so the committed picture always has its numbers and its command next to it.
@@ -36,7 +36,7 @@ def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=D
           knobs["low_threshold"] = round(max(0.3, thr - 0.3), 2)
         gcfg = GenerationConfig(**knobs)
         r = evaluate.evaluate(model, task, n, gcfg, seed=seed)
-        rows.append({"decoder": dec, "smoothing": cw, "threshold": thr, "low_threshold": gcfg.low_threshold
+        rows.append({"task": task, "decoder": dec, "smoothing": cw, "threshold": thr, "low_threshold": gcfg.low_threshold
                      if dec == "hierarchy" else None, "accuracy": r["accuracy"], "mean_tpf": r["mean_tpf"],
                      "mean_nfe": r["mean_nfe"], "tps": r["tps"]})
         if progress:
@@ -46,30 +46,35 @@ def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=D
 
 def to_markdown(rows, command: str) -> str:
   out = [f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}; dual cache; held-out problems.",
-         "", "| decoder | smoothing | threshold | accuracy | mean TPF | mean NFE | TPS |", "|---|---|---|---|---|---|---|"]
+         "", "| task | decoder | smoothing | threshold | accuracy | mean TPF | mean NFE | TPS |",
+         "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     thr = f"{r['threshold']}" + (f" (low {r['low_threshold']})" if r["low_threshold"] is not None else "")
-    out.append(f"| {r['decoder']} | {r['smoothing']} | {thr} | {r['accuracy']:.3f} | {r['mean_tpf']:.2f} | "
-               f"{r['mean_nfe']:.1f} | {r['tps']:.0f} |")
+    out.append(f"| {r['task']} | {r['decoder']} | {r['smoothing']} | {thr} | {r['accuracy']:.3f} | "
+               f"{r['mean_tpf']:.2f} | {r['mean_nfe']:.1f} | {r['tps']:.0f} |")
   return "\n".join(out) + "\n"
 
 
 def plot(rows, path: str, title: str) -> None:
+  """One panel per task: accuracy against mean TPF, a line per decoder x smoothing over the thresholds."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for dec in DECODERS:
-    for cw in SMOOTHING:
-      pts = sorted((r["mean_tpf"], r["accuracy"]) for r in rows if r["decoder"] == dec and r["smoothing"] == cw)
-      if pts:
-        ax.plot(*zip(*pts), marker="o" if cw == 0 else "s", linestyle="-" if cw == 0 else "--",
-                label=f"{dec}{' + smoothing ' + str(cw) if cw else ''}")
-  ax.set_xlabel("mean tokens per forward")
-  ax.set_ylabel("held-out accuracy")
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  task_names = list(dict.fromkeys(r["task"] for r in rows))
+  fig, axes = plt.subplots(1, len(task_names), figsize=(6.5 * len(task_names), 4.5), squeeze=False)
+  for ax, task in zip(axes[0], task_names):
+    for dec in DECODERS:
+      for cw in SMOOTHING:
+        pts = sorted((r["mean_tpf"], r["accuracy"]) for r in rows
+                     if r["task"] == task and r["decoder"] == dec and r["smoothing"] == cw)
+        if pts:
+          ax.plot(*zip(*pts), marker="o" if cw == 0 else "s", linestyle="-" if cw == 0 else "--",
+                  label=f"{dec}{' + smoothing ' + str(cw) if cw else ''}")
+    ax.set_xlabel("mean tokens per forward")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title(f"{task}: {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=90)
 
@@ -77,7 +82,7 @@ def plot(rows, path: str, title: str) -> None:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="default")
-  ap.add_argument("--task", default="arithmetic")
+  ap.add_argument("--task", default="arithmetic,program", help="comma-separated task names")
   ap.add_argument("--n", type=int, default=100)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--md", required=True)
@@ -87,12 +92,13 @@ def main(argv=None) -> int:
   ap.add_argument("--decoders", default=",".join(DECODERS))
   a = ap.parse_args(argv)
   model = dinfer_jax.load(a.model)
-  rows = sweep(model, a.task, a.n, a.seed, thresholds=[float(t) for t in a.thresholds.split(",")],
-               decoders=a.decoders.split(","), progress=lambda r: print(json.dumps(r), flush=True))
+  rows = [r for task in a.task.split(",")
+          for r in sweep(model, task, a.n, a.seed, thresholds=[float(t) for t in a.thresholds.split(",")],
+                         decoders=a.decoders.split(","), progress=lambda r: print(json.dumps(r), flush=True))]
   command = "python -m train_td.curve " + " ".join(argv if argv is not None else sys.argv[1:])
   with open(a.md, "w") as f:
     f.write(to_markdown(rows, command))
-  plot(rows, a.png, f"{a.task}: accuracy vs TPF (n={a.n}, dual cache)")
+  plot(rows, a.png, f"accuracy vs TPF (n={a.n}, dual cache)")
   if a.json:
     with open(a.json, "w") as f:
       json.dump(rows, f, indent=1)

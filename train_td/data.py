@@ -3,7 +3,7 @@
 Batch for step s is a pure function of (seed, s): the task of the batch is drawn from the mix with a
 generator seeded by (seed, s), and its problems are the first `batch_size` of
 `iter_problems(task, "train", seed=derived)`. So resuming at step s needs no replay. Each batch holds one
-task, so a batch's width is that task's bucket (arithmetic prompts are ~9 tokens, program prompts ~31):
+task, so a batch's width is that task's bucket (arithmetic prompts are 9 tokens, program prompts at most 33):
 
   row:  [ pad ... | <|user|> prompt <|assistant|> | answer <|eos|> <|eos|> ... ]
           prompt_width                              answer_len
@@ -18,8 +18,8 @@ import numpy as np
 from train_td import tasks as tasks_lib
 from train_td import tokenizer as tok_lib
 
-DEFAULT_MIX = (("arithmetic", 0.7), ("program", 0.3))
-DEFAULT_PROMPT_WIDTH = {"arithmetic": 12, "program": 32}
+DEFAULT_MIX = (("arithmetic", 0.6), ("program", 0.4))
+DEFAULT_PROMPT_WIDTH = {"arithmetic": 10, "program": 34}
 
 _VOCAB = None
 
@@ -46,7 +46,7 @@ def encode_prompt(prompt: str) -> list[int]:
 class DataConfig:
   mix: tuple[tuple[str, float], ...] = DEFAULT_MIX
   batch_size: int = 64
-  answer_len: int = 16
+  answer_len: int = 8
   prompt_width: tuple[tuple[str, int], ...] = tuple(DEFAULT_PROMPT_WIDTH.items())
   seed: int = 0
 
@@ -64,11 +64,13 @@ def make_rows(problems, prompt_width: int, answer_len: int) -> dict[str, np.ndar
   answer[:, prompt_width:] = True
   for r, p in enumerate(problems):
     prompt = encode_prompt(p.prompt)
-    ans = encode_text(p.answer) + [tok_lib.EOS_ID]
+    # An answer that fills the region exactly has no room for <|eos|> (the canvas ends there instead).
+    ans = encode_text(p.answer)
+    ans = ans + [tok_lib.EOS_ID] * (len(ans) < answer_len)
     if len(prompt) > prompt_width:
       raise ValueError(f"prompt of {len(prompt)} tokens exceeds prompt_width={prompt_width}: {p.prompt!r}")
     if len(ans) > answer_len:
-      raise ValueError(f"answer of {len(ans)} tokens (with EOS) exceeds answer_len={answer_len}: {p.answer!r}")
+      raise ValueError(f"answer of {len(ans)} tokens exceeds answer_len={answer_len}: {p.answer!r}")
     pad = prompt_width - len(prompt)
     tokens[r, pad:prompt_width] = prompt
     tokens[r, prompt_width:] = tok_lib.EOS_ID

@@ -22,7 +22,9 @@ from train_td import tokenizer as tok_lib
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "dinfer_jax" / "assets" / "default"
 # GenerationConfig knobs the shipped model is meant to be decoded with (answers fit in 16 tokens).
-DEFAULT_GENERATION = {"gen_length": 16, "block_length": 8, "decoder": "threshold", "threshold": 0.9,
+# gen_length is the training answer region (TrainConfig.answer_len, 8): the model has only learned to fill
+# that many positions. Two blocks of 4, so generation is block-wise and the dual cache has a suffix.
+DEFAULT_GENERATION = {"gen_length": 8, "block_length": 4, "decoder": "threshold", "threshold": 0.9,
                       "cache": "dual", "prompt_bucket": 16}
 
 
@@ -87,6 +89,9 @@ def export_run(run_dir: os.PathLike, out: os.PathLike | None = None, *, step: in
   """Exports a run's checkpoint (latest unless `step`) to `out` (default dinfer_jax/assets/default)."""
   from train_td import trainer
   tc = trainer.load_train_config(run_dir)
+  if generation_config is None and tc.answer_len != DEFAULT_GENERATION["gen_length"]:
+    generation_config = dict(DEFAULT_GENERATION, gen_length=tc.answer_len,
+                             block_length=tc.answer_len // 2 if tc.answer_len % 2 == 0 else tc.answer_len)
   params, _, s = trainer.restore(run_dir, tc, step)
   res = export_params(params, tc.model_config(), out or DEFAULT_OUT, dtype=dtype,
                       generation_config=generation_config)

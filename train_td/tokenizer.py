@@ -11,9 +11,9 @@ on them):
             and a vocabulary size that is a multiple of 64.
 
 Anything else (e.g. "é") encodes to <|unk|>. Prompt format: "<|user|>{prompt}<|assistant|>{answer}<|eos|>",
-where {prompt} is the task's internal prompt ("348+279", "f(1)=5;f(2)=8;f(4)=14"). The saved
-chat_template normalises a natural question onto that prompt exactly like `format_prompt` does, so
-`dinfer-jax generate "What is 348 + 279?"` reaches the model as "<|user|>348+279<|assistant|>".
+where {prompt} is the task's internal prompt ("348+279", " 40+  2", "f(0..5)=2,5,8,11,14,17"). The
+saved chat_template normalises a natural question onto that prompt exactly like `format_prompt` does, so
+`dinfer-jax generate "What is 40 + 2?"` reaches the model as "<|user|> 40+  2<|assistant|>".
 """
 from __future__ import annotations
 
@@ -40,7 +40,10 @@ _QUESTION_WORDS = ("whatis", "what's", "what\u2019s", "howmuchis", "calculate", 
 _OPERATOR_WORDS = (("multipliedby", "*"), ("times", "*"), ("plus", "+"), ("minus", "-"),
                    ("\u00d7", "*"), ("\u2212", "-"), ("x", "*"))
 _DROPPED = ("?", "=", "!")
-# Program-synthesis prompts ("f(1)=5;...") contain this and pass through unchanged (but stripped).
+# Arithmetic operands are right-aligned to this width (ArithmeticTask.max_digits), as the task writes them.
+OPERAND_WIDTH = 3
+_OPERATORS = ("+", "-", "*")
+# Program-synthesis prompts ("f(0..5)=5,8,...") contain this and pass through unchanged (but stripped).
 PROGRAM_MARKER = "f("
 
 
@@ -48,7 +51,7 @@ def format_prompt(question: str) -> str:
   """Maps a natural question onto the internal prompt format.
 
   "What is 348 + 279?", "348 plus 279 =", "what's 12 x 13" and "12 times 13." become "348+279" and
-  "12*13"; prompts already in the internal format are returned unchanged (the mapping is idempotent).
+  " 12* 13" (operands of at most OPERAND_WIDTH digits right-aligned to it); prompts already in the internal format are returned unchanged (the mapping is idempotent).
   Program-synthesis prompts (containing "f(") are only stripped.
 
   Args:
@@ -67,7 +70,12 @@ def format_prompt(question: str) -> str:
     q = q.replace(w, op)
   for w in _DROPPED:
     q = q.replace(w, "")
-  return q.rstrip(".")
+  q = q.rstrip(".")
+  for op in _OPERATORS:
+    parts = q.split(op)
+    if len(parts) == 2 and all(p.isdigit() and len(p) <= OPERAND_WIDTH for p in parts):
+      q = parts[0].rjust(OPERAND_WIDTH) + op + parts[1].rjust(OPERAND_WIDTH)
+  return q
 
 
 def format_chat(question: str, answer: str | None = None) -> str:
@@ -92,14 +100,25 @@ def _chat_template() -> str:
   normalise += "".join(f"{{%- set q = q.replace({_jinja_str(w)}, {_jinja_str(op)}) -%}}"
                        for w, op in _OPERATOR_WORDS)
   normalise += "".join(f"{{%- set q = q.replace({_jinja_str(w)}, '') -%}}" for w in _DROPPED)
+  # Jinja's `set` inside a loop does not leak out of it, hence the namespace; "%3s" right-aligns.
+  align = (
+      "{%- set ns.q = q -%}"
+      f"{{%- for op in {json.dumps(list(_OPERATORS))} -%}}"
+      "{%- set parts = ns.q.split(op) -%}"
+      "{%- if parts | length == 2 and parts[0].isdigit() and parts[1].isdigit()"
+      f" and parts[0] | length <= {OPERAND_WIDTH} and parts[1] | length <= {OPERAND_WIDTH} -%}}"
+      f"{{%- set ns.q = '%{OPERAND_WIDTH}s' | format(parts[0]) + op + '%{OPERAND_WIDTH}s' | format(parts[1]) -%}}"
+      "{%- endif -%}"
+      "{%- endfor -%}")
   return (
       "{%- for message in messages -%}"
       "{%- if message['role'] == 'user' -%}"
       "{%- set q = message['content'] | trim -%}"
+      "{%- set ns = namespace(q=q) -%}"
       f"{{%- if {_jinja_str(PROGRAM_MARKER)} not in q -%}}"
-      "{%- set q = q | lower -%}" + normalise + "{%- set q = q.rstrip('.') -%}"
+      "{%- set q = q | lower -%}" + normalise + "{%- set q = q.rstrip('.') -%}" + align +
       "{%- endif -%}"
-      f"{{{{- {_jinja_str(USER_TOKEN)} + q -}}}}"
+      f"{{{{- {_jinja_str(USER_TOKEN)} + ns.q -}}}}"
       "{%- elif message['role'] == 'assistant' -%}"
       f"{{{{- {_jinja_str(ASSISTANT_TOKEN)} + message['content'] + {_jinja_str(EOS_TOKEN)} -}}}}"
       "{%- endif -%}"

@@ -47,6 +47,9 @@ class TrainConfig:
   expert_ffn_dim: int = 128
   max_position: int = 64
   rope_theta: float = 10000.0
+  # MoE kernel of the training forward: "ragged" computes only the routed experts (1.5x faster steps
+  # than "dense" at 8 experts top-2 on CPU); the exported model is the same either way.
+  moe_impl: str = "ragged"
   # optimisation
   steps: int = 3000
   batch_size: int = 64
@@ -60,7 +63,7 @@ class TrainConfig:
   eps_t: float = 1e-3
   # data
   mix: tuple[tuple[str, float], ...] = data_lib.DEFAULT_MIX
-  answer_len: int = 16
+  answer_len: int = 8
   seed: int = 0
   # start from another run's latest checkpoint (params only; fresh optimizer and schedule)
   init_from: str = ""
@@ -88,6 +91,8 @@ class TrainConfig:
 
 
 def model_config_from(tc: TrainConfig) -> ModelConfig:
+  if tc.moe_impl not in ("dense", "ragged"):
+    raise ValueError(f"moe_impl must be 'dense' or 'ragged', got {tc.moe_impl!r}")
   if tc.d_model % tc.n_heads:
     raise ValueError(f"d_model={tc.d_model} must be divisible by n_heads={tc.n_heads}")
   return ModelConfig(
@@ -136,7 +141,8 @@ def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransfor
 @functools.lru_cache(maxsize=8)
 def _default_step(tc: TrainConfig):
   # One compiled step per config: runs of the same config in one process (tests, resume) reuse it.
-  return make_train_step(objective.make_loss_fn(tc.model_config(), eps=tc.eps_t), make_optimizer(tc))
+  return make_train_step(objective.make_loss_fn(tc.model_config(), eps=tc.eps_t, moe_impl=tc.moe_impl),
+                         make_optimizer(tc))
 
 
 def init_state(tc: TrainConfig, optimizer=None):

@@ -34,8 +34,8 @@ VARIANTS = ("engine", "stepped", "fixed_steps", "fastdllm_dual", "overhead")
 
 # Built-in prompts: questions for a model with a tokenizer (the default model's tasks: arithmetic and
 # guess-the-function), token ids otherwise.
-TEXT_PROMPTS = ("What is 348 + 279?", "12*34", "What is 905 - 417?", "f(1)=5;f(2)=8;f(4)=14",
-                "What is 61 * 7?", "f(0)=1;f(1)=3;f(3)=7")
+TEXT_PROMPTS = ("What is 348 + 279?", "12*3", "What is 905 - 417?", "f(0..5)=5,8,11,14,17,20",
+                "What is 61 * 7?", "f(0..5)=1,3,5,7,9,11")
 
 
 def default_token_prompts(mcfg: ModelConfig, mask_id: int, eos_id: int, n: int = 4) -> list[list[int]]:

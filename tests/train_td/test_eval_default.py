@@ -7,6 +7,7 @@ import pytest
 import dinfer_jax
 from dinfer_jax import api
 from dinfer_jax import cli
+from train_td import curve
 from train_td import evaluate
 from train_td import export as export_lib
 
@@ -50,3 +51,16 @@ def test_heldout_arithmetic_accuracy(model):
   res = evaluate.evaluate(model, "arithmetic", 200, _gcfg(), seed=0, batch=100, warmup=False)
   assert res["accuracy"] >= ARITHMETIC_ACC_200 - 0.04, res["accuracy"]
   assert res["mean_nfe"] >= 1.0
+
+
+def test_curve_writes_table_and_plot(tmp_path):
+  md, png = tmp_path / "curve.md", tmp_path / "curve.png"
+  assert curve.main(["--task", "arithmetic,program", "--n", "4", "--thresholds", "0.9", "--decoders", "threshold",
+                     "--md", str(md), "--png", str(png)]) == 0
+  lines = [l for l in md.read_text().splitlines() if l.startswith("| arithmetic") or l.startswith("| program")]
+  # one row per task x smoothing setting, each with an accuracy in [0, 1] and a positive TPF
+  assert len(lines) == 2 * len(curve.SMOOTHING)
+  for l in lines:
+    cells = [c.strip() for c in l.strip("|").split("|")]
+    assert 0.0 <= float(cells[4]) <= 1.0 and float(cells[5]) > 0
+  assert png.stat().st_size > 1000

@@ -48,8 +48,10 @@ def test_problem_validated():
     tasks.ArithmeticTask(max_digits=0)
   with pytest.raises(ValueError, match="ops"):
     tasks.ArithmeticTask(ops="+/")
+  with pytest.raises(ValueError, match="max_multiplier_digits"):
+    tasks.ArithmeticTask(max_multiplier_digits=4)
   with pytest.raises(ValueError, match="n_shown"):
-    tasks.ProgramTask(n_shown=0)
+    tasks.ProgramTask(n_shown=1)
 
 
 @pytest.mark.parametrize("task", [ARITH, PROG], ids=lambda t: t.name)
@@ -61,29 +63,31 @@ def test_deterministic_for_a_seed(task):
   assert [task.generate(rng_a) for _ in range(20)] == [task.generate(rng_b) for _ in range(20)]
 
 
-_ARITH_PROMPT = re.compile(r"([0-9]+)([-+*])([0-9]+)")
+_ARITH_PROMPT = re.compile(r" *([0-9]+)([-+*]) *([0-9]+)")
 
 
 def test_arithmetic_problems_and_verifier():
   ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
   problems = tasks.train_problems(ARITH, 3000, seed=0)
-  seen_ops, saw_negative, saw_carry = set(), False, False
+  seen_ops, saw_carry, shapes = set(), False, set()
   for p in problems:
     a, op, b = _ARITH_PROMPT.fullmatch(p.prompt).groups()
     expected = ops[op](int(a), int(b))
-    assert p.answer == str(expected)
+    # Columns: operands right-aligned to 3 characters, the answer to 4.
+    assert p.prompt == f"{a:>3}{op}{b:>3}" and p.answer == f"{expected:>4}"
     seen_ops.add(op)
-    saw_negative |= expected < 0
     saw_carry |= op == "+" and (int(a) % 10 + int(b) % 10) >= 10
+    assert expected >= 0  # allow_negative=False by default
     if op == "*":
-      assert len(a) + len(b) <= 4
-    else:
-      assert len(a) <= 3 and len(b) <= 3
-    assert len(p.prompt) <= 7
-    assert ARITH.check(p, p.answer) and ARITH.check(p, f"  {p.answer}\n")
+      assert min(len(a), len(b)) == 1
+      shapes.add((len(a), len(b)))
+    assert ARITH.check(p, p.answer) and ARITH.check(p, p.answer.strip()) and ARITH.check(p, f"  {p.answer}\n")
     assert not ARITH.check(p, str(expected + 1))
-  assert seen_ops == {"+", "-", "*"} and saw_negative and saw_carry
+  assert seen_ops == {"+", "-", "*"} and saw_carry
+  assert shapes == {(1, 1), (1, 2), (2, 1), (1, 3), (3, 1)}
   assert len({p.prompt for p in problems}) > 2500
+  negative = tasks.ArithmeticTask(ops="-", allow_negative=True)
+  assert any(int(p.answer) < 0 for p in (negative.generate(np.random.default_rng(i)) for i in range(100)))
 
 
 @pytest.mark.parametrize("answer", ["628", "", " ", "627.0", "+627", "627 0", "6 27", "1_627", "627\n1",
@@ -102,16 +106,24 @@ def test_no_negative_option():
 
 def test_program_problems_are_well_posed():
   table = tasks.canonical_functions()
-  assert max(len(expr) for expr in table) <= 12
+  usable = tasks.canonical_functions(PROG.n_shown)
+  # The family ranges are chosen so that 6 shown outputs identify every function.
+  assert usable == table and len(table) > 2000
+  assert max(len(expr) for expr in table) <= 8  # fits the 8-token answer region
   for p in tasks.train_problems(PROG, 500, seed=0):
-    assert len(p.prompt) <= 32
-    assert p.prompt == ";".join(f"f({x})={y}" for x, y in p.examples)
+    assert len(p.prompt) <= 31
+    assert [x for x, _ in p.examples] == list(range(6)) and [x for x, _ in p.tests] == list(range(6, 20))
+    assert p.prompt == "f(0..5)=" + ",".join(str(y) for _, y in p.examples)
     values = table[p.answer]
     assert all(values[x] == y for x, y in p.examples + p.tests)
-    assert not {x for x, _ in p.examples} & {x for x, _ in p.tests}
     # The examples single out the reference among all functions of all families.
     matching = [e for e, v in table.items() if all(v[x] == y for x, y in p.examples)]
     assert matching == [p.answer]
+  # With fewer shown inputs, functions the prompt cannot pin down are left out.
+  few = tasks.canonical_functions(3)
+  assert 0 < len(few) < len(table)
+  for e, v in few.items():
+    assert [o for o, w in table.items() if w[:3] == v[:3]] == [e]
 
 
 def test_reference_expressions_agree_in_sandbox():
@@ -120,7 +132,7 @@ def test_reference_expressions_agree_in_sandbox():
   code = ("exprs = %r\nfor e in exprs:\n  print(' '.join(str(eval(e, {'__builtins__': "
           "{'abs': abs, 'min': min, 'max': max}}, {'x': x})) for x in %r))") % (list(table),
                                                                                   list(tasks.DOMAIN))
-  r = sandbox.run_python(code)
+  r = sandbox.run_python(code, limits=sandbox.Limits(max_output_bytes=1 << 20))
   assert r.ok, r
   got = [tuple(int(v) for v in line.split()) for line in r.stdout.splitlines()]
   assert got == list(table.values())
@@ -131,22 +143,22 @@ def test_program_verifier():
   for p in problems:
     assert PROG.check(p, p.answer)
     assert PROG.check(p, f" {p.answer} ")
-  p = tasks.Problem(task="program", prompt="f(1)=5;f(2)=8;f(4)=14", answer="x*3+2",
-                    split_keys=("fn:x*3+2", "prompt:f(1)=5;f(2)=8;f(4)=14"),
-                    examples=((1, 5), (2, 8), (4, 14)), tests=((0, 2), (7, 23), (19, 59)))
+  p = tasks.Problem(task="program", prompt="f(0..2)=2,5,8", answer="x*3+2", split_keys=("fn:x*3+2",),
+                    examples=((0, 2), (1, 5), (2, 8)), tests=((4, 14), (7, 23), (19, 59)))
   assert PROG.check(p, "2+3*x")  # any spelling of the same function
   assert PROG.check(p, "(x+1)*3-1")
   # Fits the shown pairs only: must fail on the held-out ones.
-  assert not PROG.check(p, "{1: 5, 2: 8, 4: 14}[x]")
+  assert not PROG.check(p, "{0: 2, 1: 5, 2: 8}[x]")
   assert not PROG.check(p, "x*3+2 if x < 5 else 0")
   for wrong in ["x*3+1", "x*x", "hello", "", "import os", "__import__('os').getcwd()", "x*3+2.0", "x*3+"]:
     assert not PROG.check(p, wrong), wrong
 
 
-@pytest.mark.parametrize("task,n_train", [(ARITH, 20000), (PROG, 6000)], ids=["arithmetic", "program"])
-def test_train_and_test_are_disjoint(task, n_train):
-  test = tasks.test_problems(task, 300, seed=0)
-  assert len({p.prompt for p in test}) == 300
+@pytest.mark.parametrize("task,n_train,n_test", [(ARITH, 20000, 300), (PROG, 6000, 300)],
+                         ids=["arithmetic", "program"])
+def test_train_and_test_are_disjoint(task, n_train, n_test):
+  test = tasks.test_problems(task, n_test, seed=0)
+  assert len({p.prompt for p in test}) == n_test
   assert all(tasks.problem_split(task, p) == "test" for p in test)
   test_keys = {k for p in test for k in p.split_keys}
   test_prompts = {p.prompt for p in test}
@@ -165,7 +177,7 @@ def test_commuted_sum_stays_in_its_split():
   for p in test:
     a, op, b = _ARITH_PROMPT.fullmatch(p.prompt).groups()
     if op in "+*":
-      swapped = tasks.Problem(task="arithmetic", prompt=f"{b}{op}{a}", answer=p.answer,
+      swapped = tasks.Problem(task="arithmetic", prompt=f"{b:>3}{op}{a:>3}", answer=p.answer,
                               split_keys=p.split_keys)
       assert p.split_keys == (f"{op}:{min(int(a), int(b))},{max(int(a), int(b))}",)
       assert tasks.problem_split(ARITH, swapped) == "test"

@@ -28,18 +28,24 @@ def leaves_equal(a, b):
 
 # ------------------------------------------------------------------------------------------- data
 def test_rows_layout():
-  p = data_lib.tasks_lib.Problem(task="arithmetic", prompt="3+4", answer="7", split_keys=("k",))
-  rows = data_lib.make_rows([p], prompt_width=8, answer_len=6)
+  p = data_lib.tasks_lib.Problem(task="arithmetic", prompt="  3+  4", answer="   7", split_keys=("k",))
+  rows = data_lib.make_rows([p], prompt_width=12, answer_len=6)
   ids = data_lib.encode_text
-  assert rows["tokens"][0].tolist() == ([0, 0, 0, tok_lib.USER_ID] + ids("3+4") + [tok_lib.ASSISTANT_ID]
-                                        + ids("7") + [tok_lib.EOS_ID] * 5)
-  assert rows["valid"][0].tolist() == [False] * 3 + [True] * 11
-  assert rows["positions"][0].tolist() == [0, 0, 0] + list(range(11))
-  assert rows["answer"][0].tolist() == [False] * 8 + [True] * 6
-  # The same ids the shipped tokenizer's chat template produces.
+  assert rows["tokens"][0].tolist() == ([0, 0, 0, tok_lib.USER_ID] + ids("  3+  4") + [tok_lib.ASSISTANT_ID]
+                                        + ids("   7") + [tok_lib.EOS_ID] * 2)
+  assert rows["valid"][0].tolist() == [False] * 3 + [True] * 15
+  assert rows["positions"][0].tolist() == [0, 0, 0] + list(range(15))
+  assert rows["answer"][0].tolist() == [False] * 12 + [True] * 6
+  # An answer that fills the region exactly has no <|eos|>; a longer one is refused.
+  full = data_lib.tasks_lib.Problem(task="program", prompt="f(0..5)=2,1,0,1,2,3", answer="abs(x-2)",
+                                    split_keys=("k",))
+  assert data_lib.make_rows([full], 24, 8)["tokens"][0, 24:].tolist() == ids("abs(x-2)")
+  with pytest.raises(ValueError, match="answer_len=7"):
+    data_lib.make_rows([full], 24, 7)
+  # The same ids the shipped tokenizer's chat template produces for the question a user types.
   tok = tok_lib.build_tokenizer()
-  text = tok.apply_chat_template([{"role": "user", "content": "3+4"}], tokenize=False, add_generation_prompt=True)
-  assert tok.encode(text, add_special_tokens=False) == data_lib.encode_prompt("3+4")
+  text = tok.apply_chat_template([{"role": "user", "content": "3 + 4"}], tokenize=False, add_generation_prompt=True)
+  assert tok.encode(text, add_special_tokens=False) == data_lib.encode_prompt("  3+  4")
 
 
 def test_batches_are_deterministic_and_step_dependent():
@@ -119,6 +125,24 @@ def test_optimizer_steps_decrease_loss():
   after = float(loss_fn(p, batch, rng)[0])
   assert after < before
   assert np.isfinite(float(m["grad_norm"]))
+
+
+def test_ragged_training_kernel_matches_dense():
+  # Training runs the routed-only kernel; loss and gradients must be those of the dense kernel the
+  # exported model is checked against.
+  tc = tiny_config()
+  params, _ = trainer.init_state(tc)
+  _, batch = data_lib.get_batch(tc.data_config(), 0)
+  rng = jax.random.PRNGKey(3)
+  grads = {}
+  for impl in ("dense", "ragged"):
+    fn = objective.make_loss_fn(tc.model_config(), moe_impl=impl)
+    grads[impl] = jax.jit(jax.value_and_grad(lambda p: fn(p, batch, rng)[0]))(params)
+  np.testing.assert_allclose(grads["ragged"][0], grads["dense"][0], rtol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(grads["ragged"][1]), jax.tree_util.tree_leaves(grads["dense"][1])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError, match="moe_impl"):
+    tiny_config(moe_impl="fast").model_config()
 
 
 def test_schedule_warmup_then_cosine():

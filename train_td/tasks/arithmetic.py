@@ -1,11 +1,17 @@
-"""Integer arithmetic with carries: "348+279" -> "627".
+"""Integer arithmetic with carries, written in columns: "348+279" -> "627".
+
+Format: operands right-aligned to `max_digits` characters and the answer right-aligned to
+`max_digits + 1` (space padded, as in column arithmetic): "348+279" -> " 627", " 40+  2" -> "  42". Every
+digit then sits at a fixed offset from the digits it depends on, whatever the operand lengths, which is
+what a model of a few million parameters needs to learn carries from a few hundred thousand examples
+(with ragged, left-aligned numbers it must first work out where each column is). The verifier strips the
+padding, so " 627" and "627" are both correct; the chat template pads a user's "348 + 279" the same way.
 
 Operand sizes: for + and -, each operand gets a digit count drawn uniformly from 1..max_digits and then a
 uniform value with that many digits (so small problems, which users also type, are not vanishingly
-rare next to 3-digit ones). For *, the pair of digit counts is drawn uniformly from those whose sum is
-at most max_product_digits (2-by-2, 3-by-1, 1-by-3, 2-by-1, ...). Subtraction may go negative
-("27-348" -> "-321") unless allow_negative=False, in which case the operands are ordered so that the
-result is >= 0: users ask both ways round, and the sign is one extra token to learn.
+rare next to 3-digit ones). For *, one operand has at most `max_multiplier_digits` digits and the
+product at most max_digits + 1 (3-by-1, 2-by-1, 1-by-3, ...). Subtraction may go negative ("27-348" ->
+"-321") only with allow_negative=True; by default the operands are ordered so that the result is >= 0.
 """
 from __future__ import annotations
 
@@ -27,8 +33,8 @@ class ArithmeticTask(Task):
 
   Attributes:
     ops: Operators to draw from, a subset of "+-*".
-    max_digits: Most digits of an operand.
-    max_product_digits: Most digits of both multiplication operands together.
+    max_digits: Most digits of an operand (also the width operands are right-aligned to).
+    max_multiplier_digits: Most digits of the shorter multiplication operand.
     allow_negative: Whether a-b may be drawn with b > a.
   """
   name: ClassVar[str] = "arithmetic"
@@ -38,8 +44,8 @@ class ArithmeticTask(Task):
 
   ops: str = "+-*"
   max_digits: int = 3
-  max_product_digits: int = 4
-  allow_negative: bool = True
+  max_multiplier_digits: int = 1
+  allow_negative: bool = False
 
   def __post_init__(self):
     if not isinstance(self.ops, str) or not self.ops or set(self.ops) - set("+-*") or len(set(
@@ -47,17 +53,23 @@ class ArithmeticTask(Task):
       raise ValueError(f"ops must be distinct characters from '+-*', got {self.ops!r}")
     if not isinstance(self.max_digits, int) or not 1 <= self.max_digits <= 9:
       raise ValueError(f"max_digits must be an int in [1, 9], got {self.max_digits!r}")
-    mpd = self.max_product_digits
-    if not isinstance(mpd, int) or not 2 <= mpd <= 2 * self.max_digits:
-      raise ValueError(f"max_product_digits must be an int in [2, 2*max_digits], got {mpd!r}")
+    mmd = self.max_multiplier_digits
+    if not isinstance(mmd, int) or not 1 <= mmd <= self.max_digits:
+      raise ValueError(f"max_multiplier_digits must be an int in [1, max_digits], got {mmd!r}")
     if not isinstance(self.allow_negative, bool):
       raise ValueError(f"allow_negative must be a bool, got {self.allow_negative!r}")
+
+  @property
+  def answer_width(self) -> int:
+    """Characters of a right-aligned answer: a sum carries into one more digit; a product is kept to it."""
+    return self.max_digits + 1
 
   def generate(self, rng: np.random.Generator) -> Problem:
     op = self.ops[int(rng.integers(len(self.ops)))]
     if op == "*":
+      # The product must fit answer_width digits: 10^(da+db) <= 10^(max_digits+1).
       shapes = [(i, j) for i in range(1, self.max_digits + 1) for j in range(1, self.max_digits + 1)
-                if i + j <= self.max_product_digits]
+                if min(i, j) <= self.max_multiplier_digits and i + j <= self.answer_width]
       da, db = shapes[int(rng.integers(len(shapes)))]
     else:
       da, db = (int(d) for d in rng.integers(1, self.max_digits + 1, size=2))
@@ -68,7 +80,9 @@ class ArithmeticTask(Task):
     # a+b and b+a (a*b, b*a) are one problem for the split: a held-out sum must not be trained on
     # with its operands swapped.
     key = f"{op}:{min(a, b)},{max(a, b)}" if op in "+*" else f"{op}:{a},{b}"
-    return Problem(task=self.name, prompt=f"{a}{op}{b}", answer=str(result), split_keys=(key,))
+    w = self.max_digits
+    return Problem(task=self.name, prompt=f"{a:>{w}}{op}{b:>{w}}", answer=f"{result:>{self.answer_width}}",
+                   split_keys=(key,))
 
   def check(self, problem: Problem, answer_text: str) -> bool:
     """Exact integer match after stripping whitespace ("0627" counts as 627; "627.0", "+627" do not)."""

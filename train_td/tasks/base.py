@@ -156,7 +156,8 @@ def iter_problems(task: Task | str, split: Split, seed: int, *, unique: bool = F
     if problem_split(task, problem) != split or (unique and problem.prompt in seen):
       misses += 1
       if misses >= max_attempts:
-        raise RuntimeError(f"{task.name}: no new {split} problem in {max_attempts} draws")
+        found = f" (found {len(seen)} distinct ones; ask for at most that many)" if unique else ""
+        raise RuntimeError(f"{task.name}: no new {split} problem in {max_attempts} draws{found}")
       continue
     misses = 0
     if unique:

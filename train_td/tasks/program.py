@@ -1,18 +1,24 @@
-"""Program synthesis from examples: "f(2)=8;f(5)=17;f(9)=29" -> "x*3+2".
+"""Program synthesis from examples: "f(0..5)=2,5,8,11,14,17" -> "x*3+2".
 
-The hidden function comes from small families with small constants (x*a+b and x+b, x*x+c, (x+a)*b, x%m,
-x//d, abs(x-a), max(x,a), min(x,a), a-x) over the integer domain 0..19. The model answers with a Python
-expression in x; the verifier runs it in `train_td.sandbox` (never in-process) on the shown inputs and
-on held-out inputs and accepts only if every output matches.
+The prompt lists the hidden function's outputs at the inputs 0..n_shown-1 (pairs (x, f(x)) with the
+inputs implied by their order; this keeps the prompt short and every value at a fixed column). The
+function comes from families with integer constants (x*a+b and x*x+c with |b|, |c| < 100, a-x, x%m, x//d,
+abs(x-a), max(x,a), min(x,a)) over the integer domain 0..19; about 2100 distinct functions, 20% of them
+held out. The model answers with a Python expression in x; the
+verifier runs it in `train_td.sandbox` (never in-process) on the shown inputs and on every held-out input
+n_shown..19, and accepts only if every output matches, so any equivalent expression is right.
 
 Functions are identified by their values on the domain: constants that give the same function in two
-families (e.g. (x+1)*2 and x*2+2) are one function, whose reference answer is the first family's
-spelling. Shown inputs are drawn until they single the function out among all functions of all
-families, so the reference answer is always the only function consistent with the prompt.
+families are one function, whose reference answer is the first family's spelling. A function is only
+used if its shown outputs single it out among all functions of all families (the family ranges are chosen
+so that with the default 6 shown inputs every one is), so the reference answer is the only function
+consistent with the prompt. The train/test split holds out whole functions: a test function never occurs
+in training, so the model must read its constants off the examples rather than recall them.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, ClassVar
 
 import numpy as np
@@ -50,66 +56,51 @@ def _signed(v: int) -> str:
   return f"+{v}" if v > 0 else f"-{-v}" if v < 0 else ""
 
 
-_NONZERO = tuple(v for v in range(-9, 10) if v)
-
 FAMILIES = (
-    Family("linear", tuple((a, b) for a in range(1, 10) for b in range(-9, 10)),
+    Family("linear", tuple((a, b) for a in range(1, 10) for b in range(-99, 100)),
            lambda x, a, b: a * x + b, lambda a, b: f"x{'' if a == 1 else f'*{a}'}{_signed(b)}"),
-    Family("square", tuple((c,) for c in range(-9, 10)),
+    Family("square", tuple((c,) for c in range(-99, 100)),
            lambda x, c: x * x + c, lambda c: f"x*x{_signed(c)}"),
-    Family("shift_scale", tuple((a, b) for a in _NONZERO for b in range(2, 10)),
-           lambda x, a, b: (x + a) * b, lambda a, b: f"(x{_signed(a)})*{b}"),
-    Family("mod", tuple((m,) for m in range(2, 10)), lambda x, m: x % m, lambda m: f"x%{m}"),
-    Family("floordiv", tuple((d,) for d in range(2, 10)), lambda x, d: x // d, lambda d: f"x//{d}"),
-    Family("distance", tuple((a,) for a in range(1, 19)), lambda x, a: abs(x - a), lambda a: f"abs(x-{a})"),
-    Family("max", tuple((a,) for a in range(1, 19)), lambda x, a: max(x, a), lambda a: f"max(x,{a})"),
-    Family("min", tuple((a,) for a in range(1, 19)), lambda x, a: min(x, a), lambda a: f"min(x,{a})"),
-    Family("reflect", tuple((a,) for a in range(1, 20)), lambda x, a: a - x, lambda a: f"{a}-x"),
+    Family("reflect", tuple((a,) for a in range(1, 100)), lambda x, a: a - x, lambda a: f"{a}-x"),
+    Family("mod", tuple((m,) for m in range(2, 6)), lambda x, m: x % m, lambda m: f"x%{m}"),
+    Family("floordiv", tuple((d,) for d in range(2, 7)), lambda x, d: x // d, lambda d: f"x//{d}"),
+    Family("distance", tuple((a,) for a in range(1, 5)), lambda x, a: abs(x - a), lambda a: f"abs(x-{a})"),
+    Family("max", tuple((a,) for a in range(1, 10)), lambda x, a: max(x, a), lambda a: f"max(x,{a})"),
+    Family("min", tuple((a,) for a in range(1, 5)), lambda x, a: min(x, a), lambda a: f"min(x,{a})"),
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class ProgramTask(Task):
-  """Infer f from a few input/output pairs; answer with a Python expression in x.
+  """Infer f from its outputs at 0..n_shown-1; answer with a Python expression in x.
 
   Attributes:
-    n_shown: Input/output pairs in the prompt.
-    n_tests: Held-out pairs (inputs not shown) the verifier also checks.
+    n_shown: Inputs 0..n_shown-1 whose outputs the prompt shows; the rest of DOMAIN is held out for
+      the verifier.
   """
   name: ClassVar[str] = "program"
-  # Two keys (function, prompt) must both land in the test split, so a test problem is drawn with
-  # probability test_fraction^2 = 4%; 20% keeps that affordable while ~80% of draws are trainable.
+  # The prompt is a function of the function, so one key (the function) decides the split.
   test_fraction: ClassVar[float] = 0.2
 
-  n_shown: int = 3
-  n_tests: int = 5
+  n_shown: int = 6
 
   def __post_init__(self):
-    if not isinstance(self.n_shown, int) or not 1 <= self.n_shown <= len(DOMAIN) // 2:
-      raise ValueError(f"n_shown must be an int in [1, {len(DOMAIN) // 2}], got {self.n_shown!r}")
-    if not isinstance(self.n_tests, int) or not 1 <= self.n_tests <= len(DOMAIN) - self.n_shown:
-      raise ValueError(f"n_tests must be an int in [1, {len(DOMAIN) - self.n_shown}], got {self.n_tests!r}")
+    if not isinstance(self.n_shown, int) or not 2 <= self.n_shown <= len(DOMAIN) - 2:
+      raise ValueError(f"n_shown must be an int in [2, {len(DOMAIN) - 2}], got {self.n_shown!r}")
 
   def generate(self, rng: np.random.Generator) -> Problem:
-    table, spellings, members = _universe()
-    domain = np.asarray(DOMAIN)
-    while True:
-      family = members[int(rng.integers(len(members)))]
-      f = family[int(rng.integers(len(family)))]
-      for _ in range(30):
-        perm = rng.permutation(len(DOMAIN))
-        shown = np.sort(perm[:self.n_shown])
-        # Unique among all functions: otherwise the prompt does not determine the answer.
-        if np.count_nonzero((table[:, shown] == table[f, shown]).all(axis=1)) == 1:
-          break
-      else:
-        continue  # this function is hard to pin down with n_shown points; draw another
-      held_out = np.sort(perm[self.n_shown:self.n_shown + self.n_tests])
-      examples = tuple((int(domain[i]), int(table[f, i])) for i in shown)
-      tests = tuple((int(domain[i]), int(table[f, i])) for i in held_out)
-      prompt = ";".join(f"f({x})={y}" for x, y in examples)
-      return Problem(task=self.name, prompt=prompt, answer=spellings[f],
-                     split_keys=(f"fn:{spellings[f]}", f"prompt:{prompt}"), examples=examples, tests=tests)
+    table, spellings, members = _universe(self.n_shown)
+    # Families weighted by sqrt(size): the big ones (x*a+b has ~1800 functions) dominate, as they must
+    # for the model to learn to read constants off the examples rather than recall them, while the
+    # small ones (x%m: 4) still appear often enough to be learned.
+    sizes = np.sqrt([len(m) for m in members])
+    family = members[int(rng.choice(len(members), p=sizes / sizes.sum()))]
+    f = family[int(rng.integers(len(family)))]
+    examples = tuple((x, int(table[f, x])) for x in DOMAIN[:self.n_shown])
+    tests = tuple((x, int(table[f, x])) for x in DOMAIN[self.n_shown:])
+    prompt = f"f(0..{self.n_shown - 1})=" + ",".join(str(y) for _, y in examples)
+    return Problem(task=self.name, prompt=prompt, answer=spellings[f], split_keys=(f"fn:{spellings[f]}",),
+                   examples=examples, tests=tests)
 
   def check(self, problem: Problem, answer_text: str) -> bool:
     """Runs the answer in the sandbox on shown and held-out inputs; True iff all outputs match."""
@@ -120,30 +111,33 @@ class ProgramTask(Task):
     return outputs is not None and outputs == [y for _, y in pairs]
 
 
-_UNIVERSE = None
+@functools.lru_cache(maxsize=None)
+def _universe(n_shown: int):
+  """Usable functions: (values table [n_fn, len(DOMAIN)], spellings, per-family member ids).
+
+  Distinct functions (by their values on DOMAIN) of all families, keeping those whose first `n_shown`
+  values no other function shares.
+  """
+  rows, spellings, family_of, seen = [], [], [], {}
+  for k, family in enumerate(FAMILIES):
+    for params in family.params:
+      values = tuple(family.fn(x, *params) for x in DOMAIN)
+      if values not in seen:  # first family to produce a function names it
+        seen[values] = len(rows)
+        rows.append(values)
+        spellings.append(family.spell(*params))
+        family_of.append(k)
+  table = np.asarray(rows, dtype=np.int64)
+  _, inverse, counts = np.unique(table[:, :n_shown], axis=0, return_inverse=True, return_counts=True)
+  usable = counts[inverse.reshape(-1)] == 1
+  members = tuple(m for m in (tuple(int(i) for i in np.flatnonzero(usable & (np.asarray(family_of) == k)))
+                              for k in range(len(FAMILIES))) if m)
+  return table, tuple(spellings), members
 
 
-def _universe():
-  """All distinct functions: (values table [n_fn, len(DOMAIN)], spellings, per-family member ids)."""
-  global _UNIVERSE
-  if _UNIVERSE is None:
-    rows, spellings, members, seen = [], [], [], {}
-    for family in FAMILIES:
-      ids = []
-      for params in family.params:
-        values = tuple(family.fn(x, *params) for x in DOMAIN)
-        if values not in seen:  # first family to produce a function names it
-          seen[values] = len(rows)
-          rows.append(values)
-          spellings.append(family.spell(*params))
-          ids.append(seen[values])
-      if ids:
-        members.append(tuple(ids))
-    _UNIVERSE = (np.asarray(rows, dtype=np.int64), tuple(spellings), tuple(members))
-  return _UNIVERSE
-
-
-def canonical_functions() -> dict[str, tuple[int, ...]]:
-  """Every canonical answer expression with its values on `DOMAIN` (for tests and inspection)."""
-  table, spellings, _ = _universe()
-  return {s: tuple(int(v) for v in row) for s, row in zip(spellings, table)}
+def canonical_functions(n_shown: int | None = None) -> dict[str, tuple[int, ...]]:
+  """Canonical answer expressions with their values on `DOMAIN` (for tests and inspection): every
+  distinct function, or with `n_shown` only those a prompt of that many examples identifies."""
+  table, spellings, members = _universe(n_shown or len(DOMAIN))
+  ids = range(len(spellings)) if n_shown is None else sorted(i for m in members for i in m)
+  return {spellings[i]: tuple(int(v) for v in table[i]) for i in ids}
