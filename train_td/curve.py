@@ -24,9 +24,9 @@ SMOOTHING = (0.0, 0.3)
 
 
 def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=DECODERS, smoothing=SMOOTHING,
-          progress=None):
+          progress=None, cache: str = "dual"):
   base = model_generation_defaults(model.path)
-  base.update(cache="dual")
+  base.update(cache=cache)
   rows = []
   for dec in decoders:
     for cw in smoothing:
@@ -44,8 +44,8 @@ def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=D
   return rows
 
 
-def to_markdown(rows, command: str) -> str:
-  out = [f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}; dual cache; held-out problems.",
+def to_markdown(rows, command: str, cache: str = "dual") -> str:
+  out = [f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}; cache {cache}; held-out problems.",
          "", "| task | decoder | smoothing | threshold | accuracy | mean TPF | mean NFE | TPS |",
          "|---|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -90,15 +90,17 @@ def main(argv=None) -> int:
   ap.add_argument("--json")
   ap.add_argument("--thresholds", default=",".join(map(str, THRESHOLDS)))
   ap.add_argument("--decoders", default=",".join(DECODERS))
+  ap.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
   a = ap.parse_args(argv)
   model = dinfer_jax.load(a.model)
   rows = [r for task in a.task.split(",")
           for r in sweep(model, task, a.n, a.seed, thresholds=[float(t) for t in a.thresholds.split(",")],
-                         decoders=a.decoders.split(","), progress=lambda r: print(json.dumps(r), flush=True))]
+                         decoders=a.decoders.split(","), progress=lambda r: print(json.dumps(r), flush=True),
+                         cache=a.cache)]
   command = "python -m train_td.curve " + " ".join(argv if argv is not None else sys.argv[1:])
   with open(a.md, "w") as f:
-    f.write(to_markdown(rows, command))
-  plot(rows, a.png, f"accuracy vs TPF (n={a.n}, dual cache)")
+    f.write(to_markdown(rows, command, a.cache))
+  plot(rows, a.png, f"accuracy vs TPF (n={a.n}, cache {a.cache})")
   if a.json:
     with open(a.json, "w") as f:
       json.dump(rows, f, indent=1)

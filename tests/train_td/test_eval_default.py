@@ -14,9 +14,12 @@ from train_td import export as export_lib
 pytestmark = pytest.mark.skipif(not (api.DEFAULT_MODEL_DIR / "config.json").exists(),
                                 reason="the default model is not installed")
 
-# Measured on the shipped weights (train_td/README.md): 20/200 held-out arithmetic problems (seed 0,
-# threshold 0.9, dual cache). The test allows a margin below that.
-ARITHMETIC_ACC_200 = 0.10
+# Measured on the shipped weights (train_td/README.md; seed 0, threshold 0.9, dual cache): 178/200 held-out
+# arithmetic problems, and 32/50 program problems (the first 50 draws hold more of the small families, so
+# fewer than the 155/200 of the full set). The tests allow
+# a margin below that for other CPUs' float rounding.
+ARITHMETIC_ACC_200 = 0.89
+PROGRAM_ACC_50 = 0.64
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +43,23 @@ def _gcfg():
 
 
 def test_cli_generate_answers(capsys):
-  # The shipped model is weak (see README): it does not get 348+279 right, so the CLI path is checked on
-  # questions it does answer.
-  assert cli.main(["generate", "What is 40+2?", "What is 2*3?"]) == 0
+  # README's main command, plus a program-synthesis prompt and a question in words.
+  assert cli.main(["generate", "What is 348+279?", "f(0..5)=2,5,8,11,14,17", "what is 12 times 3"]) == 0
   lines = capsys.readouterr().out.strip().splitlines()
-  assert lines == ["### What is 40+2?", "42", "### What is 2*3?", "6"]
+  assert lines == ["### What is 348+279?", "627", "### f(0..5)=2,5,8,11,14,17", "x*3+2",
+                   "### what is 12 times 3", "36"]
 
 
 def test_heldout_arithmetic_accuracy(model):
   res = evaluate.evaluate(model, "arithmetic", 200, _gcfg(), seed=0, batch=100, warmup=False)
-  assert res["accuracy"] >= ARITHMETIC_ACC_200 - 0.04, res["accuracy"]
+  assert res["accuracy"] >= ARITHMETIC_ACC_200 - 0.03, res["accuracy"]
   assert res["mean_nfe"] >= 1.0
+
+
+def test_heldout_program_accuracy(model):
+  # Every answer runs in the sandbox (one process each), hence 50 problems.
+  res = evaluate.evaluate(model, "program", 50, _gcfg(), seed=0, batch=50, warmup=False)
+  assert res["accuracy"] >= PROGRAM_ACC_50 - 0.06, res["accuracy"]
 
 
 def test_curve_writes_table_and_plot(tmp_path):
