@@ -21,9 +21,9 @@ from dinfer_jax.config import ModelConfig
 from train_td import tokenizer as tok_lib
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "dinfer_jax" / "assets" / "default"
-# GenerationConfig knobs the shipped model is meant to be decoded with (answers fit in 16 tokens).
-# gen_length is the training answer region (TrainConfig.answer_len, 8): the model has only learned to fill
-# that many positions. Two blocks of 4, so generation is block-wise and the dual cache has a suffix.
+# GenerationConfig knobs the shipped model is meant to be decoded with. gen_length is the training answer
+# region (TrainConfig.answer_len, 8; export_run follows a run's own): the model has only learned to fill that
+# many positions. Two blocks of 4, so generation is block-wise and the dual cache has a suffix.
 DEFAULT_GENERATION = {"gen_length": 8, "block_length": 4, "decoder": "threshold", "threshold": 0.9,
                       "cache": "dual", "prompt_bucket": 16}
 
