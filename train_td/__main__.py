@@ -24,6 +24,11 @@ def _add_train(sub):
     if f.name == "mix":
       p.add_argument("--mix", default=None, help="e.g. arithmetic=0.7,program=0.3")
       continue
+    if f.name == "arithmetic_op_weights":
+      p.add_argument("--arithmetic-op-weights", dest=f.name, default=f.default,
+                     type=lambda s: tuple(float(w) for w in s.split(",")),
+                     help="training frequency of +,-,* (default %(default)s), e.g. 1,1,2")
+      continue
     p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=f.default)
   p.set_defaults(func=cmd_train)
 

@@ -63,6 +63,7 @@ class TrainConfig:
   eps_t: float = 1e-3
   # data
   mix: tuple[tuple[str, float], ...] = data_lib.DEFAULT_MIX
+  arithmetic_op_weights: tuple[float, ...] = data_lib.DEFAULT_ARITHMETIC_OP_WEIGHTS  # "+", "-", "*"
   answer_len: int = 8
   seed: int = 0
   # start from another run's latest checkpoint (params only; fresh optimizer and schedule)
@@ -77,7 +78,8 @@ class TrainConfig:
 
   def data_config(self) -> data_lib.DataConfig:
     return data_lib.DataConfig(mix=tuple(tuple(m) for m in self.mix), batch_size=self.batch_size,
-                               answer_len=self.answer_len, seed=self.seed)
+                               answer_len=self.answer_len, seed=self.seed,
+                               arithmetic_op_weights=tuple(self.arithmetic_op_weights))
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -87,6 +89,8 @@ class TrainConfig:
     d = dict(d)
     if "mix" in d:
       d["mix"] = tuple((str(n), float(w)) for n, w in d["mix"])
+    # Runs written before the field existed drew the operators uniformly.
+    d["arithmetic_op_weights"] = tuple(float(w) for w in d.get("arithmetic_op_weights", (1.0, 1.0, 1.0)))
     return cls(**d)
 
 

@@ -1,4 +1,6 @@
 """Task generation, verification and the train/test split."""
+import collections
+import dataclasses
 import operator
 import re
 
@@ -52,6 +54,9 @@ def test_problem_validated():
     tasks.ArithmeticTask(max_multiplier_digits=4)
   with pytest.raises(ValueError, match="n_shown"):
     tasks.ProgramTask(n_shown=1)
+  for bad in [(1.0, 2.0), (1.0, 0.0, 1.0), (1.0, float("nan"), 1.0), [1.0, 1.0, 1.0]]:
+    with pytest.raises(ValueError, match="op_weights"):
+      tasks.ArithmeticTask(op_weights=bad)
 
 
 @pytest.mark.parametrize("task", [ARITH, PROG], ids=lambda t: t.name)
@@ -96,6 +101,23 @@ def test_arithmetic_rejects(answer):
   p = tasks.Problem(task="arithmetic", prompt="348+279", answer="627", split_keys=("+:279,348",))
   assert not ARITH.check(p, answer)
   assert ARITH.check(p, "627") and ARITH.check(p, "0627")
+
+
+def test_op_weights_reweight_operators_not_the_split():
+  def op_counts(task, n=4000):
+    return collections.Counter(_ARITH_PROMPT.fullmatch(p.prompt).group(2) for p in
+                               tasks.train_problems(task, n, seed=5))
+  uniform = op_counts(ARITH)
+  weighted_task = dataclasses.replace(ARITH, op_weights=(1.0, 1.0, 2.0))
+  weighted = op_counts(weighted_task)
+  assert all(abs(uniform[o] / 4000 - 1 / 3) < 0.03 for o in "+-*")
+  assert abs(weighted["*"] / 4000 - 0.5) < 0.03 and abs(weighted["+"] / 4000 - 0.25) < 0.03
+  # The held-out set is a property of the task name and problem key, not of the weights.
+  rng = np.random.default_rng(0)
+  drawn = [weighted_task.generate(rng) for _ in range(3000)]
+  assert all(tasks.problem_split(weighted_task, p) == tasks.problem_split(ARITH, p) for p in drawn)
+  held_out = {p.prompt for p in tasks.test_problems(ARITH, 300)}
+  assert not held_out & {p.prompt for p in tasks.train_problems(weighted_task, 20000, seed=1)}
 
 
 def test_no_negative_option():

@@ -59,6 +59,22 @@ def test_batches_are_deterministic_and_step_dependent():
   assert tasks_seen == {"arithmetic", "program"}
 
 
+def test_arithmetic_batches_use_the_training_op_weights():
+  def mul_share(dc):
+    arith = [s for s in range(400) if data_lib.batch_task(dc, s) == "arithmetic"][:40]
+    rows = [data_lib.get_batch(dc, s)[1]["tokens"] for s in arith]
+    star = data_lib.encode_text("*")[0]
+    return float(np.mean([(r == star).any(axis=1).mean() for r in rows]))
+  assert abs(mul_share(data_lib.DataConfig(batch_size=64, arithmetic_op_weights=(1.0, 1.0, 2.0))) - 0.5) < 0.04
+  assert abs(mul_share(data_lib.DataConfig(batch_size=64, arithmetic_op_weights=None)) - 1 / 3) < 0.04
+  tc = trainer.TrainConfig(arithmetic_op_weights=(1.0, 2.0, 3.0))
+  assert tc.data_config().arithmetic_op_weights == (1.0, 2.0, 3.0)
+  assert trainer.TrainConfig.from_json(json.loads(json.dumps(tc.to_json()))) == tc
+  # A run directory written before the field existed trained with uniform operators.
+  old = {k: v for k, v in tc.to_json().items() if k != "arithmetic_op_weights"}
+  assert trainer.TrainConfig.from_json(old).arithmetic_op_weights == (1.0, 1.0, 1.0)
+
+
 # ------------------------------------------------------------------------------------------- loss
 def test_loss_hand_case():
   V = 5

@@ -36,6 +36,9 @@ class ArithmeticTask(Task):
     max_digits: Most digits of an operand (also the width operands are right-aligned to).
     max_multiplier_digits: Most digits of the shorter multiplication operand.
     allow_negative: Whether a-b may be drawn with b > a.
+    op_weights: Relative frequency of each operator of `ops` (same order); None draws them uniformly.
+      Training may weight the harder operator up; the registered task (and so every held-out set)
+      stays uniform. The split does not depend on it.
   """
   name: ClassVar[str] = "arithmetic"
   # The problem space is large (~10^6 sums alone); 5% held out is plenty and keeps most small
@@ -46,6 +49,7 @@ class ArithmeticTask(Task):
   max_digits: int = 3
   max_multiplier_digits: int = 1
   allow_negative: bool = False
+  op_weights: tuple[float, ...] | None = None
 
   def __post_init__(self):
     if not isinstance(self.ops, str) or not self.ops or set(self.ops) - set("+-*") or len(set(
@@ -58,6 +62,11 @@ class ArithmeticTask(Task):
       raise ValueError(f"max_multiplier_digits must be an int in [1, max_digits], got {mmd!r}")
     if not isinstance(self.allow_negative, bool):
       raise ValueError(f"allow_negative must be a bool, got {self.allow_negative!r}")
+    w = self.op_weights
+    if w is not None and (not isinstance(w, tuple) or len(w) != len(self.ops) or not all(
+        isinstance(x, (int, float)) and np.isfinite(x) and x > 0 for x in w)):
+      raise ValueError(f"op_weights must be a tuple of {len(self.ops)} positive numbers (one per op of "
+                       f"{self.ops!r}), got {w!r}")
 
   @property
   def answer_width(self) -> int:
@@ -65,7 +74,11 @@ class ArithmeticTask(Task):
     return self.max_digits + 1
 
   def generate(self, rng: np.random.Generator) -> Problem:
-    op = self.ops[int(rng.integers(len(self.ops)))]
+    if self.op_weights is None:
+      op = self.ops[int(rng.integers(len(self.ops)))]
+    else:
+      p = np.asarray(self.op_weights, np.float64)
+      op = self.ops[int(rng.choice(len(self.ops), p=p / p.sum()))]
     if op == "*":
       # The product must fit answer_width digits: 10^(da+db) <= 10^(max_digits+1).
       shapes = [(i, j) for i in range(1, self.max_digits + 1) for j in range(1, self.max_digits + 1)
