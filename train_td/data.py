@@ -56,6 +56,10 @@ class DataConfig:
   seed: int = 0
   arithmetic_op_weights: tuple[float, ...] | None = DEFAULT_ARITHMETIC_OP_WEIGHTS
 
+  def __post_init__(self):
+    if self.arithmetic_op_weights is not None:
+      self.train_task("arithmetic")  # ArithmeticTask validates the weights (count, sign) here, not mid-run
+
   def width(self, task: str) -> int:
     return dict(self.prompt_width)[task]
 

@@ -51,7 +51,8 @@ def format_prompt(question: str) -> str:
   """Maps a natural question onto the internal prompt format.
 
   "What is 348 + 279?", "348 plus 279 =", "what's 12 x 13" and "12 times 13." become "348+279" and
-  " 12* 13" (operands of at most OPERAND_WIDTH digits right-aligned to it); prompts already in the internal format are returned unchanged (the mapping is idempotent).
+  " 12* 13" (operands of at most OPERAND_WIDTH digits right-aligned to it); prompts already in the
+  internal format are returned unchanged (the mapping is idempotent).
   Program-synthesis prompts (containing "f(") are only stripped.
 
   Args:

@@ -221,6 +221,9 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   import orbax.checkpoint as ocp
   from tqdm.auto import tqdm
 
+  # A bad config fails here, before anything is written to the run directory.
+  tc.model_config()
+  dcfg = tc.data_config()
   run_dir = pathlib.Path(run_dir)
   run_dir.mkdir(parents=True, exist_ok=True)
   cfg_path = run_dir / TRAIN_CONFIG
@@ -233,7 +236,6 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
 
   optimizer = make_optimizer(tc)
   if get_batch is None:
-    dcfg = tc.data_config()
     get_batch = lambda s: data_lib.get_batch(dcfg, s)  # noqa: E731
   step_fn = _default_step(tc) if loss_fn is None else make_train_step(loss_fn, optimizer)
 

@@ -75,6 +75,12 @@ def test_arithmetic_batches_use_the_training_op_weights():
   assert trainer.TrainConfig.from_json(old).arithmetic_op_weights == (1.0, 1.0, 1.0)
 
 
+def test_bad_op_weights_fail_before_the_run_directory_is_written(tmp_path):
+  with pytest.raises(ValueError, match="op_weights"):
+    trainer.train(tiny_config(arithmetic_op_weights=(1.0, 2.0)), tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------------------- loss
 def test_loss_hand_case():
   V = 5
