@@ -27,17 +27,16 @@ The files are an ordinary orbax checkpoint (StandardCheckpointer().restore works
 restores them leaf by leaf so the host never holds more than the result plus one leaf in flight.
 
 Every write goes to a temporary sibling directory that is renamed to DST at the very end and removed on
-any failure, so DST either is complete or does not exist.
+any failure or interruption, so DST either is complete or does not exist; outdir.py says which existing
+directories may be replaced (never a source, never one dinfer-jax did not write unless named explicitly).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
-import secrets
 import shutil
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -46,6 +45,7 @@ from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers as ocp_th
 
 from dinfer_jax.checkpoint.errors import CheckpointError
+from dinfer_jax.checkpoint.outdir import atomic_dir
 from dinfer_jax.config import ConfigError, ModelConfig
 from dinfer_jax.model.params import FP32_PARAMS, abstract_params, leaf_dtype  # noqa: F401 (re-exported)
 
@@ -141,36 +141,6 @@ def _save_registry(lazy_handler):
       (np.ndarray, ocp_th.NumpyHandler(deepcopy_host_arrays=False)),
       (jax.Array, ocp_th.ArrayHandler()),
   )
-
-
-# -------------------------------------------------------------------------------------- atomic output
-@contextlib.contextmanager
-def atomic_dir(dst: os.PathLike, overwrite: bool = False) -> Iterator[pathlib.Path]:
-  """Yields a fresh temp dir next to `dst`; renames it to `dst` on success, removes it on any failure."""
-  dst = pathlib.Path(dst).absolute()
-  if dst.exists() or dst.is_symlink():
-    if not overwrite:
-      raise CheckpointError(f"{dst} already exists (use --overwrite / overwrite=True to replace it)")
-    if not dst.is_dir():
-      raise CheckpointError(f"{dst} exists and is not a directory; refusing to replace it")
-  try:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-  except OSError as e:
-    raise CheckpointError(f"{dst}: cannot create output directory: {e.strerror or e}") from None
-  try:
-    yield tmp
-    if dst.exists():
-      old = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-      dst.rename(old)
-      tmp.rename(dst)
-      shutil.rmtree(old, ignore_errors=True)
-    else:
-      tmp.rename(dst)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
 
 
 def aux_files(src: os.PathLike) -> list[pathlib.Path]:
@@ -285,7 +255,8 @@ def read_config_file(path: os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
 
 def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], *,
                    src_dir_for_tokenizer: os.PathLike | None = None, layout: str = "per_expert",
-                   overwrite: bool = False, source_dtype: str | None = None) -> dict[str, Any]:
+                   overwrite: bool = False, source_dtype: str | None = None,
+                   sources: Sequence[os.PathLike] = (), replace_unmarked: bool = False) -> dict[str, Any]:
   """Writes a converted checkpoint atomically (see the module docstring for the layout).
 
   Args:
@@ -295,8 +266,10 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
     hf_config_dict: the HF config.json content, stored verbatim.
     src_dir_for_tokenizer: HF directory to copy tokenizer and other non-weight files from.
     layout: the expert layout jax2hf writes back by default ('per_expert' or 'fused').
-    overwrite: replace an existing dst.
+    overwrite: replace an existing dst (only one this code wrote, see outdir.py, unless replace_unmarked).
     source_dtype: the HF weights' dtype, jax2hf's default output dtype; defaults to the params dtype.
+    sources: directories the params are read from; dst may not be, contain or lie inside one of them.
+    replace_unmarked: with overwrite, also replace a directory dinfer-jax did not write.
 
   Returns:
     {"n_params", "bytes", "dtype", "path"}.
@@ -314,7 +287,8 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
   nbytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in flat.values())
   meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": cfg.family, "dtype": dtype.name,
           "source_layout": layout, "source_dtype": source_dtype or dtype.name, "n_params": n_params}
-  with atomic_dir(dst, overwrite) as tmp:
+  srcs = [*sources, *([src_dir_for_tokenizer] if src_dir_for_tokenizer is not None else [])]
+  with atomic_dir(dst, overwrite, sources=srcs, replace_unmarked=replace_unmarked, kind="converted") as tmp:
     write_config(tmp, hf_config_dict, src_dir_for_tokenizer)
     if src_dir_for_tokenizer is not None:
       copy_aux_files(src_dir_for_tokenizer, tmp)

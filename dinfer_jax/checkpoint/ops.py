@@ -10,9 +10,10 @@ import numpy as np
 
 from dinfer_jax.checkpoint import keymap
 from dinfer_jax.checkpoint.converted import (
-    PARAMS_DIR, atomic_dir, copy_aux_files, is_converted_checkpoint, norm_dtype, orbax_metadata, read_config_file,
+    PARAMS_DIR, copy_aux_files, is_converted_checkpoint, norm_dtype, orbax_metadata, read_config_file,
     read_meta, restore_leaves_numpy, save_converted, write_config)
 from dinfer_jax.checkpoint.errors import CheckpointError
+from dinfer_jax.checkpoint.outdir import atomic_dir
 from dinfer_jax.checkpoint.hf import HFCheckpoint, is_hf_checkpoint
 from dinfer_jax.checkpoint.safetensors_io import INDEX_NAME, OutTensor, WeightSet, dtype_name, write_checkpoint
 
@@ -24,12 +25,15 @@ def _du(path: pathlib.Path) -> int:
   return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: bool = False) -> dict[str, Any]:
+def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: bool = False,
+           replace_unmarked: bool = False) -> dict[str, Any]:
   """HF checkpoint directory -> converted checkpoint directory (see converted.py for the layout).
 
   The whole HF checkpoint is validated from its headers first; then each param leaf is built from its HF
   tensors, written by orbax and dropped before the next, so peak host memory is about one stacked leaf plus
-  the HF tensor being copied (convert/measure_memory.py measures it).
+  the HF tensor being copied (convert/measure_memory.py measures it). DST may not be SRC, contain it or lie
+  inside it; an existing DST is replaced only with overwrite, and only if dinfer-jax wrote it unless
+  replace_unmarked (outdir.py).
 
   Returns:
     Summary: tensors, n_params, bytes (param bytes in the target dtype), disk_bytes, layout, dtype,
@@ -39,25 +43,27 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
   dtype = norm_dtype(dtype)
   ck = HFCheckpoint(src)
   out = save_converted(dst, ck.lazy_params(dtype), ck.raw_config, src_dir_for_tokenizer=src, layout=ck.layout,
-                       overwrite=overwrite, source_dtype=ck.source_dtype)
+                       overwrite=overwrite, source_dtype=ck.source_dtype, sources=[src],
+                       replace_unmarked=replace_unmarked)
   return {"tensors": len(ck.entries), "n_params": out["n_params"], "bytes": out["bytes"],
           "disk_bytes": _du(pathlib.Path(dst)), "layout": ck.layout, "dtype": dtype.name,
           "source_dtype": ck.source_dtype, "family": ck.cfg.family, "seconds": time.time() - t0}
 
 
 def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None = None, overwrite: bool = False,
-           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict[str, Any]:
+           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, replace_unmarked: bool = False) -> dict[str, Any]:
   """Converted checkpoint -> HF safetensors directory (shards + model.safetensors.index.json).
 
   Args:
     src: converted checkpoint directory.
-    dst: output directory; must not exist unless overwrite.
+    dst: output directory; must not exist unless overwrite; never SRC, containing it or inside it.
     dtype: output weight dtype; default the HF source's dtype recorded at conversion (dinfer_jax.json
       source_dtype). expert_bias is always written fp32. bf16 -> bf16 and bf16 -> f32 -> bf16 are bit-exact.
     layout: 'per_expert' or 'fused' expert tensors; default the source's layout. config.json is written back
       verbatim either way (dInfer's fused loader reads the same config).
-    overwrite: replace an existing dst.
+    overwrite: replace an existing dst (only one dinfer-jax wrote, unless replace_unmarked).
     max_shard_bytes: start a new shard file past this size.
+    replace_unmarked: with overwrite, also replace a directory dinfer-jax did not write.
 
   Leaves are restored from orbax a few at a time (those one group of HF tensors needs), so peak memory is
   about the largest such group (one leaf; gate+up for fused w13) plus one HF tensor.
@@ -89,7 +95,7 @@ def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None
     pieces = [cache["leaves"][p.path][p.index] for p in e.pieces]
     return np.ascontiguousarray(e.to_hf(pieces), dtype=t.dtype)
 
-  with atomic_dir(dst, overwrite) as tmp:
+  with atomic_dir(dst, overwrite, sources=[src], replace_unmarked=replace_unmarked, kind="hf") as tmp:
     write_config(tmp, raw, src)
     copy_aux_files(src, tmp)
     weight_map = write_checkpoint(tmp, tensors, produce, max_shard_bytes=max_shard_bytes)

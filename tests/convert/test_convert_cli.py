@@ -51,5 +51,11 @@ def test_refuses_existing_dst(tmp_path):
   (tmp_path / "out").mkdir()
   r = _run("hf2jax", MODELS["llada"], tmp_path / "out")
   assert r.returncode == 2 and "already exists" in r.stderr and "--overwrite" in r.stderr
-  r = _run("hf2jax", MODELS["llada"], tmp_path / "out", "--overwrite")
+  r = _run("hf2jax", MODELS["llada"], tmp_path / "out", "--overwrite")  # not ours: must be named
+  assert r.returncode == 2 and "--overwrite-unmarked" in r.stderr, r.stderr
+  r = _run("hf2jax", MODELS["llada"], tmp_path / "out", "--overwrite", "--overwrite-unmarked", tmp_path / "other")
+  assert r.returncode == 2 and "is not DST" in r.stderr, r.stderr
+  r = _run("hf2jax", MODELS["llada"], tmp_path / "out", "--overwrite", "--overwrite-unmarked", tmp_path / "out")
+  assert r.returncode == 0, r.stderr
+  r = _run("hf2jax", MODELS["llada"], tmp_path / "out", "--overwrite")  # now it is ours
   assert r.returncode == 0, r.stderr

@@ -188,14 +188,24 @@ def test_config_weights_mismatch(tmp_path):
 
 def test_refuses_existing_dst_unless_overwrite(tmp_path):
   dst = tmp_path / "out"
-  dst.mkdir()
-  (dst / "keep").write_text("x")
+  ck.hf2jax(MODELS["llada"], dst)
   with pytest.raises(ck.CheckpointError, match="already exists"):
     ck.hf2jax(MODELS["llada"], dst)
-  assert (dst / "keep").exists()
-  ck.hf2jax(MODELS["llada"], dst, overwrite=True)
+  (dst / "keep").write_text("x")
+  ck.hf2jax(MODELS["llada"], dst, overwrite=True)  # an earlier output of ours: replaced
   assert not (dst / "keep").exists() and ck.is_converted_checkpoint(dst)
   assert leftovers(tmp_path, "out") == ["out"]
+
+
+def test_overwrite_refuses_a_directory_it_did_not_write(tmp_path):
+  dst = tmp_path / "out"
+  dst.mkdir()
+  (dst / "keep").write_text("x")
+  with pytest.raises(ck.CheckpointError, match=r"not written by dinfer-jax .*--overwrite-unmarked"):
+    ck.hf2jax(MODELS["llada"], dst, overwrite=True)
+  assert (dst / "keep").read_text() == "x" and leftovers(tmp_path, "out") == ["out"]
+  ck.hf2jax(MODELS["llada"], dst, overwrite=True, replace_unmarked=True)  # named explicitly
+  assert not (dst / "keep").exists() and ck.is_converted_checkpoint(dst)
 
 
 def test_failed_overwrite_keeps_old_dst(tmp_path):

@@ -1,0 +1,181 @@
+"""Output directories that are written atomically and never destroy what the user did not ask to replace.
+
+Rules, enforced by `atomic_dir` before anything is written:
+  * DST must not be a source, contain a source, or lie inside one (`hf2jax SRC SRC --overwrite` would
+    otherwise convert in place and delete the checkpoint; `hf2jax SRC PARENT --overwrite` the parent).
+  * An existing DST is replaced only with overwrite=True, and only when it is a directory this code
+    wrote (it holds the MARKER file), unless the caller also passes replace_unmarked=True (the CLI's
+    `--overwrite-unmarked DST`, where the user names the directory a second time).
+  * Everything is written to a staging sibling `.DST.tmp-<pid>-<hex>` that is renamed to DST at the very
+    end; any failure, SIGINT or SIGTERM removes it. Staging directories left by processes that no longer
+    exist (SIGKILL, power loss) are removed by the next write to the same DST.
+Nothing outside DST and the staging siblings is ever deleted.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+import secrets
+import shutil
+import signal
+import threading
+from typing import Iterator, Sequence
+
+from dinfer_jax.checkpoint.errors import CheckpointError
+
+MARKER = ".dinfer-jax-output"
+
+
+class Interrupted(BaseException):
+  """SIGINT or SIGTERM arrived while an output directory was being written (its staging dir is gone)."""
+
+  def __init__(self, signum: int, dst: os.PathLike):
+    self.signum = signum
+    self.dst = pathlib.Path(dst)
+    super().__init__(f"interrupted by {signal.Signals(signum).name}: {self.dst} was not written "
+                     "(the partial output was removed)")
+
+
+def _is_within(path: str, root: str) -> bool:
+  return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_destination(dst: os.PathLike, *, sources: Sequence[os.PathLike] = (), overwrite: bool = False,
+                      replace_unmarked: bool = False) -> pathlib.Path:
+  """Raises CheckpointError when writing `dst` could destroy a source or a directory we did not write.
+
+  Returns the absolute DST path.
+  """
+  dst_abs = pathlib.Path(dst).absolute()
+  d = os.path.realpath(dst_abs)
+  for src in sources:
+    s = os.path.realpath(src)
+    if d == s:
+      raise CheckpointError(f"{dst_abs}: the output directory is the source {src}; choose another DST")
+    if _is_within(s, d):
+      raise CheckpointError(f"{dst_abs}: the output directory contains the source {src}; choose another DST")
+    if _is_within(d, s):
+      raise CheckpointError(f"{dst_abs}: the output directory is inside the source {src}; choose another DST")
+  if dst_abs.is_symlink():
+    raise CheckpointError(f"{dst_abs} is a symbolic link; refusing to replace it (give the real directory)")
+  if dst_abs.exists():
+    if not dst_abs.is_dir():
+      raise CheckpointError(f"{dst_abs} exists and is not a directory; refusing to replace it")
+    if not overwrite:
+      raise CheckpointError(f"{dst_abs} already exists (use --overwrite / overwrite=True to replace it)")
+    if not (dst_abs / MARKER).is_file() and not replace_unmarked:
+      raise CheckpointError(
+          f"{dst_abs} was not written by dinfer-jax (no {MARKER} file); refusing to replace it. To replace it "
+          f"anyway, name it again: --overwrite-unmarked {dst} (replace_unmarked=True)")
+  return dst_abs
+
+
+_STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def remove_stale_staging(dst: os.PathLike) -> list[pathlib.Path]:
+  """Removes `.DST.tmp-<pid>-*` / `.DST.old-<pid>-*` siblings of `dst` whose process is gone.
+
+  A stale `.old-` directory while DST itself is missing means the writer died between its two renames:
+  the old DST is put back instead of being removed. Returns the paths removed or restored.
+  """
+  dst = pathlib.Path(dst).absolute()
+  done = []
+  try:
+    siblings = list(dst.parent.iterdir())
+  except OSError:
+    return done
+  for p in siblings:
+    m = _STAGING.match(p.name)
+    if not m or m["name"] != dst.name or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+      continue
+    if not p.is_dir() or p.is_symlink():
+      continue
+    if m["kind"] == "old" and not dst.exists():
+      p.rename(dst)
+    else:
+      shutil.rmtree(p, ignore_errors=True)
+    done.append(p)
+  return done
+
+
+@contextlib.contextmanager
+def _signals_raise(dst: pathlib.Path) -> Iterator[None]:
+  """SIGINT/SIGTERM raise Interrupted in the main thread while the block runs (elsewhere: no change)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handler(signum, _frame):
+    raise Interrupted(signum, dst)
+
+  old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for s, h in old.items():
+      signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+  """A second Ctrl-C must not interrupt the cleanup of the first."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for s, h in old.items():
+      signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def atomic_dir(dst: os.PathLike, overwrite: bool = False, *, sources: Sequence[os.PathLike] = (),
+               replace_unmarked: bool = False, kind: str = "") -> Iterator[pathlib.Path]:
+  """Yields a fresh staging dir next to `dst` (holding the MARKER file); renames it to `dst` on success,
+  removes it on any failure or SIGINT/SIGTERM (raised as Interrupted). See the module docstring."""
+  dst = check_destination(dst, sources=sources, overwrite=overwrite, replace_unmarked=replace_unmarked)
+  try:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(dst)
+    if dst.exists():  # a dead writer's old DST may just have been put back: check it like any other
+      check_destination(dst, sources=sources, overwrite=overwrite, replace_unmarked=replace_unmarked)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    (tmp / MARKER).write_text(json.dumps({"written_by": "dinfer-jax", "kind": kind}) + "\n")
+  except OSError as e:
+    raise CheckpointError(f"{dst}: cannot create output directory: {e.strerror or e}") from None
+  try:
+    with _signals_raise(dst):
+      yield tmp
+    with _signals_ignored():  # the swap is two renames; an interruption between them would lose DST
+      if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        dst.rename(old)
+        try:
+          tmp.rename(dst)
+        except BaseException:
+          old.rename(dst)
+          raise
+        shutil.rmtree(old, ignore_errors=True)
+      else:
+        tmp.rename(dst)
+  except BaseException:
+    with _signals_ignored():
+      shutil.rmtree(tmp, ignore_errors=True)
+    raise

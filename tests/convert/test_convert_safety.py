@@ -1,0 +1,183 @@
+"""No conversion destroys a user's files, and an interrupted one leaves nothing behind (issue 14, items 1 and 3)."""
+import hashlib
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ckpt_testlib import MODELS, copy_model, leftovers
+from dinfer_jax import checkpoint as ck
+from dinfer_jax.checkpoint import outdir
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _tree_digest(d: pathlib.Path) -> dict[str, str]:
+  return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+          for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _run_cli(*args, **kw):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, "-m", "convert", *map(str, args)], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120, **kw)
+
+
+@pytest.fixture
+def src_and_parent(tmp_path):
+  parent = tmp_path / "models"
+  src = copy_model("llada", parent / "src")
+  (parent / "unrelated.txt").write_text("precious")
+  return src, parent
+
+
+@pytest.mark.parametrize("where", ["same", "parent", "inside"])
+def test_hf2jax_never_touches_its_source(src_and_parent, where):
+  src, parent = src_and_parent
+  before = _tree_digest(parent)
+  dst = {"same": src, "parent": parent, "inside": src / "jax"}[where]
+  want = {"same": "is the source", "parent": "contains the source", "inside": "is inside the source"}[where]
+  with pytest.raises(ck.CheckpointError, match=want):
+    ck.hf2jax(src, dst, overwrite=True, replace_unmarked=True)
+  assert _tree_digest(parent) == before
+  assert sorted(p.name for p in parent.iterdir()) == ["src", "unrelated.txt"]
+  assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in MODELS["llada"].iterdir()
+                                                         if p.is_file() and not p.name.endswith(".npy"))
+
+
+def test_same_path_through_a_symlink_is_the_source(src_and_parent, tmp_path):
+  src, parent = src_and_parent
+  link = tmp_path / "link"
+  link.symlink_to(src)
+  before = _tree_digest(parent)
+  with pytest.raises(ck.CheckpointError, match="is the source"):
+    ck.hf2jax(link, src, overwrite=True, replace_unmarked=True)
+  with pytest.raises(ck.CheckpointError, match="symbolic link"):
+    ck.hf2jax(MODELS["llada"], link, overwrite=True, replace_unmarked=True)
+  assert _tree_digest(parent) == before
+
+
+def test_jax2hf_never_touches_its_source(tmp_path):
+  conv = tmp_path / "conv"
+  ck.hf2jax(MODELS["llada"], conv)
+  before = _tree_digest(tmp_path)
+  for dst, want in ((conv, "is the source"), (tmp_path, "contains the source"), (conv / "hf", "inside")):
+    with pytest.raises(ck.CheckpointError, match=want):
+      ck.jax2hf(conv, dst, overwrite=True, replace_unmarked=True)
+  assert _tree_digest(tmp_path) == before
+
+
+def test_outputs_carry_the_marker_and_can_be_replaced(tmp_path):
+  ck.hf2jax(MODELS["llada"], tmp_path / "conv")
+  ck.jax2hf(tmp_path / "conv", tmp_path / "hf")
+  for d in ("conv", "hf"):
+    assert (tmp_path / d / outdir.MARKER).is_file()
+  ck.jax2hf(tmp_path / "conv", tmp_path / "hf", overwrite=True)
+  # The marker is hidden: converting the HF output again does not carry it along as an aux file.
+  ck.hf2jax(tmp_path / "hf", tmp_path / "conv2")
+  assert sorted(p.name for p in (tmp_path / "conv2").iterdir() if p.name.startswith(".")) == [outdir.MARKER]
+
+
+def test_cli_refusals_exit_2_and_leave_everything(src_and_parent):
+  src, parent = src_and_parent
+  before = _tree_digest(parent)
+  for dst in (src, parent):
+    r = _run_cli("hf2jax", src, dst, "--overwrite", "--overwrite-unmarked", dst)
+    assert r.returncode == 2, r
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "source" in lines[0], r.stderr
+  assert _tree_digest(parent) == before
+
+
+# A conversion that blocks in the middle of writing params (the third leaf), so it can be killed there.
+_SLOW = """
+import sys, time
+from dinfer_jax.checkpoint import converted
+orig, n = converted.LazyArray.materialize, [0]
+def slow(self):
+  n[0] += 1
+  if n[0] == 3:
+    print("WRITING", flush=True)
+    time.sleep(120)
+  return orig(self)
+converted.LazyArray.materialize = slow
+from dinfer_jax.checkpoint.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _start_slow(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.Popen([sys.executable, "-c", _SLOW, *map(str, args)], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  line = proc.stdout.readline()
+  if line != "WRITING\n":
+    proc.kill()
+    pytest.fail(f"the conversion did not reach the write: {line!r} {proc.stderr.read()}")
+  return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_mid_write_cleans_up_with_one_line(tmp_path, sig):
+  dst = tmp_path / "out"
+  ck.hf2jax(MODELS["llada_moe"], dst)  # an earlier output that --overwrite may replace
+  before = _tree_digest(dst)
+  proc = _start_slow("hf2jax", MODELS["llada"], dst, "--overwrite")
+  assert any(n.startswith(".out.tmp-") for n in leftovers(tmp_path, "out"))  # the write is under way
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 128 + sig
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and f"interrupted by {sig.name}" in lines[0], err
+  assert leftovers(tmp_path, "out") == ["out"] and _tree_digest(dst) == before
+
+
+def test_sigkill_leftovers_removed_by_the_next_run(tmp_path):
+  proc = _start_slow("hf2jax", MODELS["llada"], tmp_path / "out")
+  proc.kill()
+  proc.wait()
+  stale = leftovers(tmp_path, "out")
+  assert len(stale) == 1 and stale[0].startswith(f".out.tmp-{proc.pid}-")
+  (tmp_path / ".other.tmp-1-0123abcd").mkdir()  # another DST's staging dir: not ours to remove
+  r = _run_cli("hf2jax", MODELS["llada"], tmp_path / "out")
+  assert r.returncode == 0, r.stderr
+  assert leftovers(tmp_path, "out") == ["out"] and ck.is_converted_checkpoint(tmp_path / "out")
+  assert (tmp_path / ".other.tmp-1-0123abcd").is_dir()
+
+
+def _dead_pid() -> int:
+  p = subprocess.Popen(["true"])
+  p.wait()
+  return p.pid
+
+
+def test_stale_staging_of_live_processes_is_kept_and_lost_dst_restored(tmp_path):
+  dst = tmp_path / "out"
+  live = tmp_path / f".out.tmp-{os.getppid()}-0123abcd"  # our parent is alive: maybe still writing
+  live.mkdir()
+  # A writer killed between its two renames: DST moved aside, the new one not yet in place.
+  old = tmp_path / f".out.old-{_dead_pid()}-89abcdef"
+  old.mkdir()
+  (old / outdir.MARKER).write_text("{}")
+  (old / "weights").write_text("the previous output")
+  dead_tmp = tmp_path / f".out.tmp-{_dead_pid()}-00000000"
+  dead_tmp.mkdir()
+  done = outdir.remove_stale_staging(dst)
+  assert sorted(done) == sorted([old, dead_tmp])
+  assert (dst / "weights").read_text() == "the previous output" and live.is_dir() and not dead_tmp.exists()
+
+
+def test_sigterm_in_process_raises_interrupted_and_removes_staging(tmp_path):
+  with pytest.raises(outdir.Interrupted, match="SIGTERM"):
+    with outdir.atomic_dir(tmp_path / "out") as tmp:
+      (tmp / "half").write_text("x")
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(5)
+  assert leftovers(tmp_path, "out") == []
+  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
