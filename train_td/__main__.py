@@ -1,8 +1,12 @@
 """python -m train_td {train,export,eval} ...
 
   train RUN_DIR [--steps N --batch-size B --lr LR --seed S ...] [--resume]
-  export RUN_DIR [--out dinfer_jax/assets/default] [--dtype float32|bfloat16]
+  export RUN_DIR --out DIR [--overwrite] [--dtype float32|bfloat16]
   eval --model PATH --task arithmetic|program --n N --seed S [GenerationConfig flags] [--json]
+
+Resuming (`train RUN_DIR` again, or with --resume) takes every setting from RUN_DIR/train_config.json;
+flags given must agree with it, except --steps, which extends (or shortens) the run. Bad input prints
+`error: <one line>` and exits with status 2.
 """
 from __future__ import annotations
 
@@ -13,6 +17,31 @@ import sys
 from typing import Sequence
 
 
+def _positive_int(text: str) -> int:
+  v = int(text)
+  if v < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+  return v
+
+
+def _floats(text: str) -> tuple[float, ...]:
+  return tuple(float(w) for w in text.split(","))
+
+
+def _parse_mix(text: str) -> tuple[tuple[str, float], ...]:
+  """'arithmetic=0.7,program=0.3' -> (("arithmetic", 0.7), ("program", 0.3))."""
+  out = []
+  for item in text.split(","):
+    name, eq, w = item.partition("=")
+    try:
+      out.append((name.strip(), float(w)))
+    except ValueError:
+      raise ValueError(f"--mix: expected NAME=WEIGHT items like arithmetic=0.7,program=0.3, got {item!r}") from None
+    if not eq:
+      raise ValueError(f"--mix: expected NAME=WEIGHT, got {item!r}")
+  return tuple(out)
+
+
 def _add_train(sub):
   from train_td.trainer import TrainConfig
   p = sub.add_parser("train", help="train (or resume) a run")
@@ -20,25 +49,35 @@ def _add_train(sub):
   p.add_argument("--resume", action="store_true", help="require a checkpoint to resume from "
                  "(without it a run directory that has checkpoints is resumed anyway)")
   p.add_argument("--no-progress", action="store_true")
+  # Flags not given stay absent: a resumed run takes them from its train_config.json.
   for f in dataclasses.fields(TrainConfig):
+    flag = "--" + f.name.replace("_", "-")
     if f.name == "mix":
-      p.add_argument("--mix", default=None, help="e.g. arithmetic=0.7,program=0.3")
-      continue
-    if f.name == "arithmetic_op_weights":
-      p.add_argument("--arithmetic-op-weights", dest=f.name, default=f.default,
-                     type=lambda s: tuple(float(w) for w in s.split(",")),
-                     help="training frequency of +,-,* (default %(default)s), e.g. 1,1,2")
-      continue
-    p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=f.default)
+      p.add_argument(flag, type=str, default=argparse.SUPPRESS,
+                     help=f"task mix, e.g. arithmetic=0.7,program=0.3 (default {_mix_text(f.default)})")
+    elif f.name == "arithmetic_op_weights":
+      p.add_argument(flag, dest=f.name, type=_floats, default=argparse.SUPPRESS,
+                     help=f"training frequency of +,-,* (default {','.join(map(str, f.default))}), e.g. 1,1,2")
+    else:
+      p.add_argument(flag, dest=f.name, type=type(f.default), default=argparse.SUPPRESS,
+                     help=f"default {f.default!r}")
   p.set_defaults(func=cmd_train)
 
 
+def _mix_text(mix) -> str:
+  return ",".join(f"{n}={w}" for n, w in mix)
+
+
 def cmd_train(args) -> int:
+  import pathlib
   from train_td import trainer
-  kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.TrainConfig) if f.name != "mix"}
-  if args.mix:
-    kw["mix"] = tuple((n, float(w)) for n, w in (item.split("=") for item in args.mix.split(",")))
-  tc = trainer.TrainConfig(**kw)
+  given = {f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.TrainConfig) if hasattr(args, f.name)}
+  if "mix" in given:
+    given["mix"] = _parse_mix(given["mix"])
+  saved = pathlib.Path(args.run_dir) / trainer.TRAIN_CONFIG
+  # Resuming: unset flags come from the run's own config (trainer.train checks what was given against it).
+  base = trainer.load_train_config(args.run_dir) if saved.exists() else trainer.TrainConfig()
+  tc = dataclasses.replace(base, **given)
   from dinfer_jax.model.params import count_params
   print(f"model: {tc.model_config()}", file=sys.stderr)
   print(f"params: {count_params(tc.model_config())}", file=sys.stderr)
@@ -50,7 +89,10 @@ def cmd_train(args) -> int:
 def _add_export(sub):
   p = sub.add_parser("export", help="export a run's latest checkpoint as an HF LLaDA-MoE directory")
   p.add_argument("run_dir")
-  p.add_argument("--out", default=None, help="output directory (default: dinfer_jax/assets/default)")
+  p.add_argument("--out", required=True,
+                 help="output directory (e.g. dinfer_jax/assets/default to replace the shipped model)")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace --out if it already holds a model (or an earlier export)")
   p.add_argument("--step", type=int, default=None)
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--generation-config", default=None,
@@ -60,8 +102,14 @@ def _add_export(sub):
 
 def cmd_export(args) -> int:
   from train_td import export
-  gen = json.loads(args.generation_config) if args.generation_config else None
-  out = export.export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, generation_config=gen)
+  try:
+    gen = json.loads(args.generation_config) if args.generation_config else None
+  except ValueError as e:
+    raise ValueError(f"--generation-config: not JSON: {e}") from None
+  if gen is not None and not isinstance(gen, dict):
+    raise ValueError("--generation-config: expected a JSON object")
+  out = export.export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, generation_config=gen,
+                          overwrite=args.overwrite)
   print(json.dumps(out))
   return 0
 
@@ -71,9 +119,9 @@ def _add_eval(sub):
   p = sub.add_parser("eval", help="accuracy, TPF and NFE on held-out problems")
   p.add_argument("--model", default="default")
   p.add_argument("--task", required=True, choices=["arithmetic", "program"])
-  p.add_argument("--n", type=int, default=200)
+  p.add_argument("--n", type=_positive_int, default=200)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--batch", type=int, default=64, help="problems per generate call")
+  p.add_argument("--batch", type=_positive_int, default=64, help="problems per generate call")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
   p.add_argument("--show", type=int, default=0, help="print the first N problems with answers")
@@ -96,8 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs `python -m train_td` on `argv` (default sys.argv[1:]); returns the exit status."""
   args = build_parser().parse_args(argv)
-  return args.func(args)
+  from train_td.sandbox import SandboxError
+  try:
+    return args.func(args)
+  except (ValueError, OSError, SandboxError) as e:  # bad flags, paths, configs, checkpoints: no traceback
+    msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror or e}"
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

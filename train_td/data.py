@@ -57,6 +57,15 @@ class DataConfig:
   arithmetic_op_weights: tuple[float, ...] | None = DEFAULT_ARITHMETIC_OP_WEIGHTS
 
   def __post_init__(self):
+    if not self.mix:
+      raise ValueError("mix: no task given (e.g. arithmetic=0.7,program=0.3)")
+    for name, w in self.mix:
+      if name not in tasks_lib.task_names():
+        raise ValueError(f"mix: unknown task {name!r}; known: {', '.join(tasks_lib.task_names())}")
+      if not (isinstance(w, (int, float)) and np.isfinite(w) and w > 0):
+        raise ValueError(f"mix: weight of {name!r} must be a number > 0, got {w!r}")
+    if self.batch_size < 1 or self.answer_len < 1:
+      raise ValueError(f"batch_size and answer_len must be >= 1, got {self.batch_size}, {self.answer_len}")
     if self.arithmetic_op_weights is not None:
       self.train_task("arithmetic")  # ArithmeticTask validates the weights (count, sign) here, not mid-run
 

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 
 from dinfer_jax import checkpoint
+from dinfer_jax.checkpoint import outdir
 from dinfer_jax.config import ModelConfig
 from train_td import tokenizer as tok_lib
 
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "dinfer_jax" / "assets" / "default"
 # GenerationConfig knobs the shipped model is meant to be decoded with. gen_length is the training answer
 # region (TrainConfig.answer_len, 8; export_run follows a run's own): the model has only learned to fill that
 # many positions. Two blocks of 4, so generation is block-wise and the dual cache has a suffix.
@@ -63,14 +63,22 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 
 
 def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "float32",
-                  generation_config: Mapping[str, Any] | None = None, overwrite: bool = True) -> dict[str, Any]:
-  """Writes params + config + tokenizer + generation_config.json to `out` (replacing it)."""
+                  generation_config: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
+  """Writes params + config + tokenizer + generation_config.json to `out`.
+
+  An existing `out` is replaced only with overwrite=True, and only when it is a model directory (an HF
+  checkpoint, e.g. the shipped default model) or an earlier dinfer-jax output: `--out .` never empties
+  the working directory.
+  """
   import ml_dtypes
   np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
   host = jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x), np.float32).astype(np_dtype), params)
   hf = hf_config(cfg, dtype)
   gen = dict(DEFAULT_GENERATION if generation_config is None else generation_config)
   out = pathlib.Path(out)
+  # Refuse before any work: an existing out without overwrite, or one that is not a model.
+  replace_model = overwrite and checkpoint.is_hf_checkpoint(out)
+  outdir.check_destination(out, overwrite=overwrite, replace_unmarked=replace_model)
   out.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(prefix="train_td_export_") as tmp:
     aux = pathlib.Path(tmp) / "aux"
@@ -79,21 +87,21 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
     (aux / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     conv = pathlib.Path(tmp) / "converted"
     checkpoint.save_converted(conv, host, hf, src_dir_for_tokenizer=aux, source_dtype=dtype)
-    summary = checkpoint.jax2hf(conv, out, dtype=dtype, overwrite=overwrite)
+    summary = checkpoint.jax2hf(conv, out, dtype=dtype, overwrite=overwrite, replace_unmarked=replace_model)
   return {"path": str(out), "n_params": summary["n_params"], "bytes": summary["bytes"], "dtype": dtype,
-          "files": sorted(p.name for p in out.iterdir())}
+          "files": sorted(p.name for p in out.iterdir() if not p.name.startswith("."))}
 
 
-def export_run(run_dir: os.PathLike, out: os.PathLike | None = None, *, step: int | None = None,
-               dtype: str = "float32", generation_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-  """Exports a run's checkpoint (latest unless `step`) to `out` (default dinfer_jax/assets/default)."""
+def export_run(run_dir: os.PathLike, out: os.PathLike, *, step: int | None = None, dtype: str = "float32",
+               generation_config: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
+  """Exports a run's checkpoint (latest unless `step`) to `out` (see export_params for `overwrite`)."""
   from train_td import trainer
   tc = trainer.load_train_config(run_dir)
   if generation_config is None and tc.answer_len != DEFAULT_GENERATION["gen_length"]:
     generation_config = dict(DEFAULT_GENERATION, gen_length=tc.answer_len,
                              block_length=tc.answer_len // 2 if tc.answer_len % 2 == 0 else tc.answer_len)
   params, _, s = trainer.restore(run_dir, tc, step)
-  res = export_params(params, tc.model_config(), out or DEFAULT_OUT, dtype=dtype,
-                      generation_config=generation_config)
+  res = export_params(params, tc.model_config(), out, dtype=dtype, generation_config=generation_config,
+                      overwrite=overwrite)
   res["step"] = s
   return res

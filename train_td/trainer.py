@@ -6,8 +6,8 @@ deterministic for a seed: batch s is a pure function of (seed, s) (train_td.data
 fold_in(PRNGKey(seed), s), so an interrupted run resumed from a checkpoint follows the same trajectory.
 
 Run directory layout:
-  train_config.json   the TrainConfig (a resumed run must match it)
-  metrics.jsonl       one JSON object per logged step
+  train_config.json   the TrainConfig (a resumed run must match it, except `steps`: see resumed_config)
+  metrics.jsonl       one JSON object per logged step (on resume, lines past the checkpoint are dropped)
   checkpoints/<step>/ orbax checkpoints of {"params", "opt_state"}
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import time
@@ -52,6 +53,9 @@ class TrainConfig:
   moe_impl: str = "ragged"
   # optimisation
   steps: int = 3000
+  # Length of the LR schedule (0: `steps`). A run extended on resume (a larger --steps) keeps the schedule
+  # it started with and continues at its final learning rate.
+  schedule_steps: int = 0
   batch_size: int = 64
   lr: float = 3e-3
   min_lr_ratio: float = 0.05
@@ -72,6 +76,32 @@ class TrainConfig:
   log_every: int = 10
   ckpt_every: int = 250
   keep_checkpoints: int = 2
+
+  def __post_init__(self):
+    positive = ("d_model", "n_layers", "n_heads", "n_experts", "n_experts_per_tok", "expert_ffn_dim",
+                "max_position", "steps", "batch_size", "answer_len", "log_every", "ckpt_every",
+                "keep_checkpoints")
+    for name in positive:
+      v = getattr(self, name)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    for name in ("warmup_steps", "schedule_steps"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+    for name in ("lr", "clip_norm", "eps_t", "rope_theta"):
+      v = getattr(self, name)
+      if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be a number > 0, got {v!r}")
+    for name, hi in (("min_lr_ratio", 1.0), ("b1", 1.0), ("b2", 1.0), ("weight_decay", math.inf)):
+      v = getattr(self, name)
+      if not (isinstance(v, (int, float)) and 0 <= v <= hi and not math.isnan(v)):
+        raise ValueError(f"{name} must be a number in [0, {hi}], got {v!r}")
+    if self.n_experts_per_tok > self.n_experts:
+      raise ValueError(f"n_experts_per_tok={self.n_experts_per_tok} exceeds n_experts={self.n_experts}")
+
+  @property
+  def total_schedule_steps(self) -> int:
+    return self.schedule_steps or self.steps
 
   def model_config(self) -> ModelConfig:
     return model_config_from(self)
@@ -109,9 +139,11 @@ def model_config_from(tc: TrainConfig) -> ModelConfig:
 
 
 def make_schedule(tc: TrainConfig) -> optax.Schedule:
-  warm = max(1, min(tc.warmup_steps, tc.steps))
+  # Past decay_steps optax holds end_value: an extended run continues at the final learning rate.
+  n = tc.total_schedule_steps
+  warm = max(1, min(tc.warmup_steps, n))
   return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=tc.lr, warmup_steps=warm,
-                                            decay_steps=max(tc.steps, warm + 1),
+                                            decay_steps=max(n, warm + 1),
                                             end_value=tc.lr * tc.min_lr_ratio)
 
 
@@ -195,8 +227,53 @@ def restore(run_dir: os.PathLike, tc: TrainConfig | None = None, step: int | Non
 
 
 def load_train_config(run_dir: os.PathLike) -> TrainConfig:
-  with open(pathlib.Path(run_dir) / TRAIN_CONFIG) as f:
-    return TrainConfig.from_json(json.load(f))
+  f = pathlib.Path(run_dir) / TRAIN_CONFIG
+  if not f.is_file():
+    raise FileNotFoundError(f"{run_dir}: not a run directory ({TRAIN_CONFIG} not found)")
+  try:
+    return TrainConfig.from_json(json.loads(f.read_text()))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{f}: {e}") from None
+
+
+# Fields a resumed run may change: `steps` extends (or shortens) the run without touching its schedule.
+RESUMABLE_CHANGES = ("steps",)
+
+
+def resumed_config(saved: TrainConfig, tc: TrainConfig, cfg_path: os.PathLike, have: int | None) -> TrainConfig:
+  """The config a resumed run continues with; a ValueError names every field that may not change."""
+  diff = [f.name for f in dataclasses.fields(TrainConfig) if getattr(saved, f.name) != getattr(tc, f.name)
+          and f.name not in RESUMABLE_CHANGES + ("schedule_steps",)]
+  if diff:
+    what = ", ".join(f"{n} (saved {getattr(saved, n)!r}, given {getattr(tc, n)!r})" for n in diff)
+    raise ValueError(f"{cfg_path}: this run was started with different settings: {what}; resume with the saved "
+                     "values (omit the flags) or use a new run directory")
+  if have is not None and tc.steps < have:
+    raise ValueError(f"steps={tc.steps} is below the run's latest checkpoint (step {have})")
+  return dataclasses.replace(saved, steps=tc.steps, schedule_steps=saved.total_schedule_steps)
+
+
+def _write_json_atomic(path: pathlib.Path, obj) -> None:
+  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+  tmp.write_text(json.dumps(obj, indent=2) + "\n")
+  os.replace(tmp, path)
+
+
+def _truncate_metrics(path: pathlib.Path, step: int) -> None:
+  """Drops metrics logged after `step` (a killed run logged them, then lost them with its checkpoint),
+  so a resumed run does not log those steps twice; a torn last line goes too."""
+  if not path.exists():
+    return
+  keep = []
+  for line in path.read_text().splitlines():
+    try:
+      if json.loads(line)["step"] <= step:
+        keep.append(line)
+    except (ValueError, KeyError, TypeError):
+      continue
+  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+  tmp.write_text("".join(x + "\n" for x in keep))
+  os.replace(tmp, path)
 
 
 def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
@@ -221,29 +298,30 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   import orbax.checkpoint as ocp
   from tqdm.auto import tqdm
 
-  # A bad config fails here, before anything is written to the run directory.
+  # Everything that can be refused is refused before anything is written to the run directory.
   tc.model_config()
-  dcfg = tc.data_config()
   run_dir = pathlib.Path(run_dir)
-  run_dir.mkdir(parents=True, exist_ok=True)
   cfg_path = run_dir / TRAIN_CONFIG
+  have = latest_step(run_dir)
+  if resume and have is None:
+    raise FileNotFoundError(f"--resume: {run_dir} has no checkpoints to resume from")
+  if resume is False and have is not None:
+    raise FileExistsError(f"{run_dir} already has checkpoints (step {have}); resume or use a new directory")
   if cfg_path.exists():
-    saved = load_train_config(run_dir)
-    if saved != tc:
-      raise ValueError(f"{cfg_path} differs from this run's config; use a new run directory")
-  else:
-    cfg_path.write_text(json.dumps(tc.to_json(), indent=2) + "\n")
+    tc = resumed_config(load_train_config(run_dir), tc, cfg_path, have)
+  elif have is not None:
+    raise ValueError(f"{run_dir} has checkpoints but no {TRAIN_CONFIG}; use a new run directory")
+  dcfg = tc.data_config()
+  if tc.init_from and have is None and latest_step(tc.init_from) is None:
+    raise FileNotFoundError(f"init_from: {tc.init_from} has no checkpoints")
+  run_dir.mkdir(parents=True, exist_ok=True)
+  _write_json_atomic(cfg_path, tc.to_json())
 
   optimizer = make_optimizer(tc)
   if get_batch is None:
     get_batch = lambda s: data_lib.get_batch(dcfg, s)  # noqa: E731
   step_fn = _default_step(tc) if loss_fn is None else make_train_step(loss_fn, optimizer)
 
-  have = latest_step(run_dir)
-  if resume and have is None:
-    raise FileNotFoundError(f"--resume: {run_dir} has no checkpoints")
-  if resume is False and have is not None:
-    raise FileExistsError(f"{run_dir} already has checkpoints (step {have}); resume or use a new directory")
   if have is not None:
     params, opt_state, start = restore(run_dir, tc, have, optimizer)
   else:
@@ -252,6 +330,7 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
       params, _, _ = restore(tc.init_from)
       opt_state = optimizer.init(params)
     start = 0
+  _truncate_metrics(run_dir / METRICS, start)
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
   base_key = jax.random.PRNGKey(tc.seed)
   schedule = make_schedule(tc)

@@ -211,7 +211,7 @@ def test_resume_continues_at_the_right_step(three_step_run, tmp_path):
   assert leaves_equal(second["params"], full["params"])
   params, opt_state, s = trainer.restore(d)
   assert s == 3 and leaves_equal(params, full["params"])
-  with pytest.raises(ValueError, match="differs"):
+  with pytest.raises(ValueError, match=r"different settings: lr \(saved 0.01, given 0.005\)"):
     trainer.train(tiny_config(lr=5e-3), d, progress=False)
 
 
@@ -244,3 +244,108 @@ def test_export_load_round_trip(three_step_run, tmp_path, dtype):
   want = forward(params, cfg, jnp.asarray(ids)).logits
   got = dinfer_jax.forward(model, ids)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------- CLI errors, resume, extend
+def _cli(argv, capsys):
+  from train_td.__main__ import main
+  rc = main([str(a) for a in argv])
+  return rc, capsys.readouterr().err
+
+
+_TINY_FLAGS = ["--d-model", 32, "--n-layers", 2, "--n-heads", 2, "--n-experts", 4, "--expert-ffn-dim", 32,
+               "--batch-size", 4, "--steps", 3, "--warmup-steps", 1, "--lr", 1e-2, "--log-every", 1,
+               "--ckpt-every", 2, "--mix", "arithmetic=1", "--no-progress"]
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--mix", "arithmetic=0.5,bogus=0.5"], "mix: unknown task 'bogus'"),
+    (["--mix", "arithmetic"], "--mix: expected NAME=WEIGHT"),
+    (["--steps", "0"], "steps must be an int >= 1, got 0"),
+    (["--batch-size", "0"], "batch_size must be an int >= 1, got 0"),
+    (["--lr", "-1"], "lr must be a number > 0"),
+    (["--resume"], "has no checkpoints to resume from"),
+])
+def test_train_refusals_write_nothing(tmp_path, capsys, flags, want):
+  rc, err = _cli(["train", tmp_path / "run", *_TINY_FLAGS, *flags], capsys)
+  assert rc == 2 and err.strip().splitlines()[-1].startswith("error: ") and want in err, err
+  assert "Traceback" not in err
+  assert not (tmp_path / "run").exists()  # the corrected command is not refused afterwards
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["eval", "--model", "/nonexistent", "--task", "arithmetic"], "error: model path /nonexistent is not a directory"),
+    (["export", "/nonexistent", "--out", "x"], "error: /nonexistent: not a run directory"),
+])
+def test_train_td_errors_are_one_line(tmp_path, capsys, argv, want):
+  rc, err = _cli(argv, capsys)
+  assert rc == 2 and err.strip().splitlines()[-1].startswith(want) and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["eval", "--task", "arithmetic", "--n", "-3"],
+                                  ["eval", "--task", "arithmetic", "--batch", "0"],
+                                  ["export", "RUN"]])  # --out is required: no default over the shipped model
+def test_train_td_bad_flags_exit_2(capsys, argv):
+  from train_td.__main__ import main
+  with pytest.raises(SystemExit) as e:
+    main(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "error: argument" in err or "required: --out" in err, err
+
+
+def test_export_never_replaces_without_overwrite(three_step_run, tmp_path):
+  d, _ = three_step_run
+  out = tmp_path / "hf"
+  export_lib.export_run(d, out)
+  before = (out / "model.safetensors").read_bytes()
+  with pytest.raises(ValueError, match="already exists"):
+    export_lib.export_run(d, out)
+  export_lib.export_run(d, out, overwrite=True)  # a model: replaced on request
+  assert (out / "model.safetensors").read_bytes() == before
+  # A directory that is no model is not replaced even with overwrite (e.g. --out .).
+  cwd_like = tmp_path / "work"
+  cwd_like.mkdir()
+  (cwd_like / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match="not written by dinfer-jax"):
+    export_lib.export_run(d, cwd_like, overwrite=True)
+  assert (cwd_like / "notes.txt").read_text() == "mine"
+
+
+def test_killed_run_resumes_without_duplicate_metrics(tmp_path):
+  d = tmp_path / "r"
+  trainer.train(tiny_config(), d, progress=False, stop_at=2)
+  # A kill after step 3 was logged but before its checkpoint: the log is ahead of the checkpoint (and torn).
+  with open(d / trainer.METRICS, "a") as f:
+    f.write(json.dumps({"step": 3, "loss": 9.0}) + "\n" + '{"step": 4, "lo')
+  trainer.train(tiny_config(), d, progress=False)
+  lines = [json.loads(x) for x in (d / trainer.METRICS).read_text().splitlines()]
+  assert [x["step"] for x in lines] == [1, 2, 3] and lines[2]["loss"] != 9.0
+
+
+def test_finished_run_is_extended_on_the_same_schedule(three_step_run, tmp_path, capsys):
+  import shutil
+  d = tmp_path / "r"
+  shutil.copytree(three_step_run[0], d)
+  tc = tiny_config()
+  # Only --steps given: every other setting comes from the run's train_config.json.
+  rc, err = _cli(["train", d, "--steps", 5, "--no-progress"], capsys)
+  assert rc == 0, err
+  assert trainer.latest_step(d) == 5
+  saved = trainer.load_train_config(d)
+  assert (saved.steps, saved.schedule_steps) == (5, 3) and dataclasses_replace(saved, steps=3, schedule_steps=0) == tc
+  lines = [json.loads(x) for x in (d / trainer.METRICS).read_text().splitlines()]
+  assert [x["step"] for x in lines] == [1, 2, 3, 4, 5]
+  # The first 3 steps are the original run's; then the schedule holds its final learning rate.
+  end_lr = tc.lr * tc.min_lr_ratio
+  assert [x["lr"] for x in lines[3:]] == pytest.approx([end_lr, end_lr])
+  assert lines[2]["lr"] == pytest.approx(float(trainer.make_schedule(tc)(2)))
+  rc, err = _cli(["train", d, "--steps", 5, "--lr", 0.5, "--no-progress"], capsys)
+  assert rc == 2 and "lr (saved 0.01, given 0.5)" in err
+  rc, err = _cli(["train", d, "--steps", 4, "--no-progress"], capsys)
+  assert rc == 2 and "below the run's latest checkpoint (step 5)" in err
+
+
+def dataclasses_replace(tc, **kw):
+  import dataclasses
+  return dataclasses.replace(tc, **kw)
