@@ -5,7 +5,7 @@ Everything a model writes is executed here and nowhere else: the verifiers in `t
 that runs inside the sandbox's namespaces (`python -I -S -B sandbox.py --launch CONFIG`), and it must be
 importable by a plain system interpreter (the non-root tests run it as `nobody`).
 
-Process tree of one run (namespace modes; "rlimits" mode starts the launcher directly):
+Process tree of one run:
 
   caller ─ setpriv --pdeathsig KILL unshare --net --mount --pid --ipc --uts --fork --kill-child ...
              └─ launcher (this file, `--launch`; trusted; pid 1 of the new pid namespace)
@@ -27,25 +27,22 @@ the strongest):
   inside a user namespace. Outside, the program keeps the caller's uid: it can *read* what the caller
   can read, except the home directory, which is covered by an empty read-only tmpfs when an interpreter
   outside it exists. All capabilities are dropped before exec; RLIMIT_NPROC counts per user namespace.
-* ``"rlimits"`` (fallback without namespaces). The program runs as a random unprivileged uid when the
-  caller is root (otherwise as the caller, with RLIMIT_NPROC = the caller's current task count + the
-  limit), and an audit hook installed before the program's first line blocks sockets, starting other
-  programs, ctypes and reading other processes' /proc entries. The launcher is a child subreaper and
-  afterwards kills the program's process group, (as root) every process of the run's uid, and any
-  remaining descendant. Weaker: the hook is a best-effort in-process guard (a determined program may
-  find a way around it), the program can write to world-writable directories (/tmp, /var/tmp,
-  /dev/shm), and it sees the host's /proc.
+There is no weaker fallback. An earlier "rlimits" mode (no namespaces, an in-process audit hook as the
+guard) did not hold: the hook checked paths but not `dir_fd`, so `os.open("/proc")` then
+`os.open(f"{pid}/environ", dir_fd=fd)` read the caller's environment, and writes to /tmp and /dev/shm
+persisted. Where neither mode works, `run_python` raises SandboxError saying what to enable: model-written
+code is then not run at all (fail closed).
 
 In every mode: RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS, RLIMIT_FSIZE,
 RLIMIT_NOFILE, RLIMIT_NPROC, RLIMIT_CORE=0 (no core dumps), RLIMIT_MSGQUEUE=0; a wall-clock timeout
-after which the program's process group is SIGKILLed (and, through the pid namespace or the launcher's
-cleanup, processes that left it); an output cap (the run is killed once stdout+stderr exceed it); an
+after which the program's process group is SIGKILLed (and, through the pid namespace, processes that
+left it); an output cap (the run is killed once stdout+stderr exceed it); an
 empty environment (``env={}``; the interpreter runs with ``-I -S -B``); a fresh temporary working
 directory, deleted afterwards. If the caller dies mid-run, the run still ends: the launcher (or unshare)
 gets a parent-death signal, and the launcher has its own wall-clock alarm as a backstop (wall + 3 s).
-Not enforced: CPU share/niceness and page-cache memory (no cgroup is used), and in
-``"userns"``/``"rlimits"`` mode reading files the caller itself can read. If the caller is SIGKILLed,
-its (empty, in namespace modes) working directory is left behind in the temp dir.
+Not enforced: CPU share/niceness and page-cache memory (no cgroup is used), and in ``"userns"`` mode
+reading files the caller itself can read (outside its home directory). If the caller is SIGKILLed,
+its (empty) working directory is left behind in the temp dir.
 """
 from __future__ import annotations
 
@@ -61,39 +58,10 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND = 32, 1024, 2048, 4096
 _MS_REC, _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 16384, 1 << 18, 1 << 21, 1 << 24
 _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 24, 28, 38, 47
-_PR_CAP_AMBIENT_CLEAR_ALL, _PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG = 4, 36, 1
+_PR_CAP_AMBIENT_CLEAR_ALL, _PR_SET_PDEATHSIG = 4, 1
 _SECBIT_NOROOT, _SECBIT_NOROOT_LOCKED = 1, 2
 # Used when the random sandbox uid cannot be set (e.g. root in a container with a 16-bit uid map).
 _FALLBACK_UID = 65534
-
-# Installed before the program in "rlimits" mode, where there are no namespaces. Best effort: it blocks
-# the audit events for sockets, starting other programs (exec, spawn, subprocess: a fresh interpreter
-# would run without the hook), ctypes (which could call libc directly), other processes' /proc entries
-# (a same-uid program could read the caller's environ), and the ways to reach the hook's own code (gc,
-# tracing, rebinding __code__). Its state lives in immutable default arguments and its name is deleted.
-# sys._getframe stays allowed: the stdlib needs it at import time (enum, namedtuple). os.fork stays
-# allowed too: a forked child keeps the hook, RLIMIT_NPROC bounds how many, and the launcher kills
-# and reaps them all afterwards.
-_AUDIT_BOOT = r"""
-import os, sys
-def _sandbox_audit(event, args, _prefixes=("socket.", "ctypes.", "os.exec", "os.posix_spawn", "os.spawn",
-                   "os.system", "subprocess.", "pty.", "gc.get_", "sys._current_frames",
-                   "sys.setprofile", "sys.settrace", "os.chdir", "os.symlink", "os.link"),
-                   _own=("/proc/self/", "/proc/thread-self/", "/proc/%d/" % os.getpid())):
-  if event.startswith(_prefixes) or (event == "import" and args[0] in ("_ctypes", "_posixsubprocess")) or (
-      event == "object.__setattr__" and args[1] in ("__code__", "__defaults__", "__kwdefaults__")) or (
-      event == "open" and isinstance(args[0], (str, bytes)) and
-      os.path.abspath(os.fsdecode(args[0])).startswith("/proc/") and
-      not os.path.abspath(os.fsdecode(args[0])).startswith(_own)):
-    raise PermissionError("sandbox: " + event + " is not allowed")
-sys.addaudithook(_sandbox_audit)
-del _sandbox_audit
-with open("main.py", "rb") as _f:
-  _code = compile(_f.read(), "main.py", "exec")
-del _f
-exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
-"""
-
 
 def _launcher(cfg: dict) -> int:
   """Sets up the working directory and mounts, then forks and execs the sandboxed interpreter.
@@ -109,19 +77,13 @@ def _launcher(cfg: dict) -> int:
   try:
     with os.fdopen(cfg["code_fd"], "rb") as f:
       code = f.read()
-    if cfg["mode"] != "rlimits":
-      _setup_mounts(cfg)
+    _setup_mounts(cfg)
     fd = os.open(os.path.join(cfg["workdir"], "main.py"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     with os.fdopen(fd, "wb") as f:
       f.write(code)
   except Exception as e:  # noqa: BLE001 - reported to the caller as a SandboxError
     report("error", f"{type(e).__name__}: {e}")
     return 1
-  rlimits = cfg["mode"] == "rlimits"
-  if rlimits:
-    # No pid namespace here: become the subreaper of everything the program starts, so that processes
-    # which leave its process group (setsid) are still ours to find, kill and reap afterwards.
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
   # Stop requests: SIGUSR1 from the caller (wall time, output cap; killing the launcher instead would
   # skip the cleanup below), SIGUSR1 as parent-death signal (the caller died), SIGALRM as a wall-clock
   # backstop that holds even then. Each kills the program's process group; the group id is our own
@@ -153,7 +115,7 @@ def _launcher(cfg: dict) -> int:
   child.append(pid)
   if stop:  # asked to stop before the program existed
     _killpg(pid)
-  # Reap orphans as they come (as pid 1 of the namespace, or as subreaper) so that zombies do not hold
+  # Reap orphans as they come (as pid 1 of the namespace) so that zombies do not hold
   # RLIMIT_NPROC slots, until the program itself exits; leave the program unreaped (WNOWAIT) for now.
   while True:
     try:
@@ -164,20 +126,12 @@ def _launcher(cfg: dict) -> int:
     if done == pid:
       break
     os.waitpid(done, 0)
-  if rlimits:
-    # Everything the program left behind. Its group first: one kill reaches every member atomically
-    # (a SIGKILLed process can no longer fork), so a fork bomb cannot outrun it.
-    _killpg(pid)
-    if cfg["uid"] is not None and _real_uid(pid) == cfg["uid"]:
-      _kill_uid(cfg["uid"])  # also those that left the group; the uid is this run's alone
   _, wstatus = os.waitpid(pid, 0)
   if os.WIFSIGNALED(wstatus):
     report("signal", os.WTERMSIG(wstatus))
   else:
     report("exit", os.WEXITSTATUS(wstatus))
-  if rlimits:
-    _kill_children()
-  # In the namespace modes the launcher's exit ends the pid namespace: the kernel kills and reaps
+  # The launcher's exit ends the pid namespace: the kernel kills and reaps
   # whatever is left.
   return 0
 
@@ -190,61 +144,8 @@ def _killpg(pgid: int) -> None:
     pass
 
 
-def _real_uid(pid: int) -> int | None:
-  try:
-    with open(f"/proc/{pid}/status") as f:
-      for line in f:
-        if line.startswith("Uid:"):
-          return int(line.split()[1])
-  except OSError:
-    pass
-  return None
-
-
-def _kill_uid(uid: int) -> None:
-  """SIGKILLs every process of `uid` (kill(-1) sent as that uid), from a forked helper."""
-  import signal
-  helper = os.fork()
-  if helper == 0:
-    try:
-      os.setgroups([])
-      os.setresgid(uid, uid, uid)
-      os.setresuid(uid, uid, uid)
-      for _ in range(100):
-        os.kill(-1, signal.SIGKILL)  # every process this uid may signal, except the helper itself
-    except BaseException:  # noqa: BLE001 - ProcessLookupError once none is left
-      pass
-    os._exit(0)
-  os.waitpid(helper, 0)
-
-
-def _kill_children() -> None:
-  """SIGKILLs and reaps every remaining child (as subreaper, all descendants end up as children)."""
-  import signal
-  for _ in range(1000):  # each round kills the current children; theirs are reparented to us
-    children = _children_of(os.getpid())
-    if not children:
-      break
-    for c in children:
-      try:
-        os.kill(c, signal.SIGKILL)
-      except ProcessLookupError:
-        pass
-    while True:
-      try:
-        if os.waitpid(-1, os.WNOHANG)[0] == 0:
-          break
-      except ChildProcessError:
-        break
-  while True:  # reap the last ones (blocking is fine: everything left was SIGKILLed)
-    try:
-      os.waitpid(-1, 0)
-    except ChildProcessError:
-      break
-
-
 def _children_of(ppid: int) -> list:
-  """Pids whose parent is `ppid` (from /proc; used by the launcher and by the caller)."""
+  """Pids whose parent is `ppid` (from /proc)."""
   children = []
   for entry in os.listdir("/proc"):
     if entry.isdigit():
@@ -341,7 +242,7 @@ def _drop_privileges(cfg: dict) -> tuple:
   lim = cfg["limits"]
   _libc()  # import ctypes while the caller's interpreter files are still readable (before setuid)
   os.chdir(cfg["workdir"])
-  nproc = lim["max_processes"] + cfg.get("nproc_base", 0)
+  nproc = lim["max_processes"]
   for res, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_MSGQUEUE, 0),
                      (resource.RLIMIT_AS, lim["memory_bytes"]),
                      (resource.RLIMIT_FSIZE, lim["max_file_bytes"]),
@@ -375,8 +276,6 @@ def _drop_privileges(cfg: dict) -> tuple:
       break
   else:
     raise OSError(f"no Python interpreter executable by the sandbox uid among {cfg['interpreters']}")
-  if cfg["mode"] == "rlimits":
-    return interpreter, [interpreter, "-I", "-S", "-B", "-c", _AUDIT_BOOT]
   return interpreter, [interpreter, "-I", "-S", "-B", "main.py"]
 
 
@@ -389,7 +288,6 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--launch":
 
 import ast  # noqa: E402 - imported after the launcher entry point on purpose (see above)
 import dataclasses  # noqa: E402
-import logging  # noqa: E402
 import marshal  # noqa: E402
 import secrets  # noqa: E402
 import selectors  # noqa: E402
@@ -401,7 +299,12 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from typing import Callable, Sequence  # noqa: E402
 
-MODES = ("namespaces", "userns", "rlimits")
+MODES = ("namespaces", "userns")
+# What to do where no mode works (the SandboxError says it).
+HOW_TO_ENABLE = ("run as root where `unshare` may create namespaces, or allow unprivileged user namespaces "
+                 "(sysctl kernel.unprivileged_userns_clone=1; on Ubuntu also "
+                 "kernel.apparmor_restrict_unprivileged_userns=0; in a container: --privileged or a seccomp "
+                 "profile that allows unshare)")
 
 # Sandboxed runs get a random uid from this range: far above any allocated account (and above the
 # 16-bit ranges systemd hands out), so RLIMIT_NPROC counts only this run's processes and the uid
@@ -505,13 +408,10 @@ def run_python(code: str, *, stdin: str = "", limits: Limits = Limits(), mode: s
   if mode is None:
     modes = available_modes()
     if not modes:
-      raise SandboxError(f"no sandbox mode works here: {_probe_errors}")
+      why = "; ".join(f"{m}: {_probe_errors.get(m)}" for m in MODES)
+      raise SandboxError(f"cannot run model-written code safely here: the sandbox needs Linux namespaces "
+                         f"({why}). To enable it: {HOW_TO_ENABLE}")
     mode = modes[0]
-    if mode == "rlimits" and not _warned:
-      _warned.append(True)
-      logging.getLogger(__name__).warning(
-          "sandbox: no namespaces available (%s); falling back to the weaker 'rlimits' mode",
-          _probe_errors.get("namespaces" if os.geteuid() == 0 else "userns"))
   elif not _probe(mode):
     raise SandboxError(f"sandbox mode {mode!r} does not work here: {_probe_errors.get(mode)}")
   return _run(code, stdin, limits, mode)
@@ -522,7 +422,6 @@ def available_modes() -> tuple[str, ...]:
   return tuple(m for m in MODES if _probe(m))
 
 
-_warned: list[bool] = []
 _probe_lock = threading.Lock()
 _probe_results: dict[str, bool] = {}
 _probe_errors: dict[str, str] = {}
@@ -532,7 +431,8 @@ def _probe(mode: str) -> bool:
   """Whether `mode` works, found by running a trivial program in it, so that a missing interpreter or
   a refused mount shows up as 'mode unavailable' and not as a failing model answer."""
   if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    removed = " ('rlimits' was removed: it could not contain a hostile program)" if mode == "rlimits" else ""
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}{removed}")
   with _probe_lock:
     if mode not in _probe_results:
       ok, why = False, ""
@@ -540,7 +440,7 @@ def _probe(mode: str) -> bool:
         why = "needs root"
       elif mode == "userns" and os.geteuid() == 0:
         why = "root uses 'namespaces' instead"
-      elif mode != "rlimits" and not shutil.which("unshare", path=_SYSTEM_PATH):
+      elif not shutil.which("unshare", path=_SYSTEM_PATH):
         why = "no unshare binary"
       else:
         try:
@@ -597,8 +497,6 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
       hide, interpreters = [home], outside
   cfg = dict(mode=mode, workdir=workdir, uid=uid if is_root else None, interpreters=interpreters,
              hide=hide, limits=dataclasses.asdict(limits))
-  if mode == "rlimits" and not is_root:
-    cfg["nproc_base"] = _count_tasks_of_uid(os.getuid())
   proc = None
   stopped = []  # [whether the launcher exited on its own terms], once the run was stopped
 
@@ -611,8 +509,6 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
   code_file = tempfile.TemporaryFile()
   stdin_file = tempfile.TemporaryFile()
   try:
-    if mode == "rlimits" and is_root:
-      os.chown(workdir, uid, uid)
     # Code and stdin travel as inherited, already-unlinked files: nothing to clean up, no pipe to keep
     # fed, no path the program could find.
     code_file.write(code_bytes)
@@ -628,7 +524,7 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
       argv = [*_pdeathsig_prefix(), "unshare", "--user", "--map-root-user", *_UNSHARE_FLAGS, "--", *launcher]
     else:
       argv = launcher
-    # No caller environment for the launcher either: in userns/rlimits mode a same-uid program could
+    # No caller environment for the launcher either: in userns mode a same-uid program could
     # otherwise read it from /proc/<launcher pid>/environ.
     proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             pass_fds=(code_file.fileno(), status_w), start_new_session=True,
@@ -644,9 +540,8 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
     os.close(status_r)
     code_file.close()
     stdin_file.close()
-    clean = stop() if proc is not None else True
-    if mode == "rlimits" and is_root and not clean:
-      _sweep_uid(uid)
+    if proc is not None:
+      stop()
     _rmtree(workdir)
   if "error" in status:
     raise SandboxError(f"sandbox setup failed ({mode}): {status['error']}")
@@ -724,7 +619,7 @@ def _stop(proc: subprocess.Popen, mode: str) -> bool:
 
   The launcher is asked (SIGUSR1) to kill the program; it then cleans up and exits, which in the
   namespace modes tears the pid namespace down (the kernel kills and reaps every process in it before
-  the launcher's exit completes) and in "rlimits" mode runs its own cleanup. Waiting for that, rather
+  the launcher's exit completes). Waiting for that, rather
   than killing everything at once, means no process of the run is left when `run_python` returns.
   Killing the group is the fallback.
   """
@@ -743,13 +638,7 @@ def _stop(proc: subprocess.Popen, mode: str) -> bool:
 
 
 def _signal_launcher(proc: subprocess.Popen, mode: str) -> None:
-  """Sends SIGUSR1 to the launcher: our child in "rlimits" mode, else unshare's only child."""
-  if mode == "rlimits":
-    try:
-      proc.send_signal(signal.SIGUSR1)
-    except ProcessLookupError:
-      pass
-    return
+  """Sends SIGUSR1 to the launcher, unshare's only child."""
   for pid in _children_of(proc.pid):
     # Through a pidfd, and only if the pid still belongs to a child of unshare (which forks once and
     # is our unreaped child): a launcher that just exited cannot have its pid recycled under us.
@@ -777,25 +666,6 @@ def _wait_unreaped(proc: subprocess.Popen, timeout: float) -> bool:
     time.sleep(0.005)
 
 
-_SWEEP = """
-import os, signal, sys
-uid = int(sys.argv[1])
-os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
-# kill(-1) as that uid reaches every process of the uid, including ones that left the process group.
-for _ in range(100):
-  try:
-    os.kill(-1, signal.SIGKILL)
-  except ProcessLookupError:
-    break
-"""
-
-
-def _sweep_uid(uid: int) -> None:
-  """Kills every process left running as the sandbox uid (rlimits mode as root has no pid namespace)."""
-  subprocess.run([sys.executable, "-I", "-S", "-c", _SWEEP, str(uid)], env={}, check=False,
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
-
-
 def _rmtree(path: str) -> None:
   def onexc(func, p, exc_info):
     # A program may have made its own files or directories unwritable; undo that and retry once.
@@ -809,19 +679,6 @@ def _rmtree(path: str) -> None:
     except OSError:
       pass
   shutil.rmtree(path, onerror=onexc)
-
-
-def _count_tasks_of_uid(uid: int) -> int:
-  """Threads currently owned by `uid` (what RLIMIT_NPROC counts)."""
-  n = 0
-  for pid in os.listdir("/proc"):
-    if pid.isdigit():
-      try:
-        if os.stat(f"/proc/{pid}").st_uid == uid:
-          n += len(os.listdir(f"/proc/{pid}/task"))
-      except OSError:
-        pass
-  return n
 
 
 def _is_under(path: str, root: str) -> bool:

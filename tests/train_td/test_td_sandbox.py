@@ -1,8 +1,8 @@
 """The sandbox contains hostile programs, in every isolation mode this machine offers.
 
-Modes run in-process are those available to the test's own uid (root here: "namespaces", "rlimits");
-the non-root modes ("userns", "rlimits" as an ordinary user) are exercised by re-running a battery as
-`nobody` through setpriv when the test runs as root.
+Modes run in-process are those available to the test's own uid (root here: "namespaces"); the non-root
+mode ("userns") is exercised by re-running a battery as `nobody` through setpriv when the test runs as
+root. There is no mode without namespaces: where none works, run_python refuses (fail closed).
 """
 import json
 import os
@@ -174,33 +174,58 @@ def test_big_file_hits_fsize_limit(mode):
 def test_cannot_write_outside_workdir(mode, tmp_path):
   tag = uuid.uuid4().hex
   targets = [REPO / f"pwned-{tag}", REPO / "train_td" / f"pwned-{tag}"]
-  escape = []
-  if mode == "rlimits":
-    # Without a mount namespace, world-writable directories stay writable (documented); what holds
-    # is Unix permissions: a directory the program does not own.
-    tmp_path.chmod(0o755)
-    targets.append(tmp_path / "pwned")
-  else:
-    # A path in /tmp that does not exist yet: only a read-only /tmp stops the program creating it.
-    targets += [pathlib.Path(f"/tmp/pwn-{tag}/pwned"), pathlib.Path(f"/dev/shm/pwned-{tag}"),
-                pathlib.Path(f"/var/tmp/pwned-{tag}"),
-                pathlib.Path(sandbox.tempfile.gettempdir()) / f"escape-{tag}"]
-    escape = [f"../escape-{tag}"]  # the working directory's parent, as a relative path
+  # World-writable places, paths that do not exist yet: only a read-only mount stops the program.
+  targets += [pathlib.Path(f"/tmp/pwn-{tag}/pwned"), pathlib.Path(f"/dev/shm/pwned-{tag}"),
+              pathlib.Path(f"/var/tmp/pwned-{tag}"),
+              pathlib.Path(sandbox.tempfile.gettempdir()) / f"escape-{tag}"]
+  escape = [f"../escape-{tag}"]  # the working directory's parent, as a relative path
   code = (f"import os\nfor p in {[str(t) for t in targets] + escape!r}:\n"
           "  try:\n    os.makedirs(os.path.dirname(p), exist_ok=True)\n    open(p, 'w').write('x')\n"
           "    print('WROTE', p)\n  except OSError as e:\n    print('refused', p, e.strerror)\n"
+          # The same through a directory fd (dir_fd) instead of a path.
+          "for d in ('/tmp', '/dev/shm'):\n  try:\n    fd = os.open(d, os.O_RDONLY)\n"
+          f"    os.close(os.open('dirfd-{tag}', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))\n"
+          "    print('WROTE', d)\n  except OSError as e:\n    print('refused', d, e.strerror)\n"
           "open('inside.txt', 'w').write('fine')\nprint('inside ok')")
+  dirfd_targets = [pathlib.Path(f"/tmp/dirfd-{tag}"), pathlib.Path(f"/dev/shm/dirfd-{tag}")]
   try:
     r = run_python(code, limits=FAST, mode=mode)
     assert r.ok, r
     assert "WROTE" not in r.stdout and "inside ok" in r.stdout, r.stdout
-    for t in targets:
+    for t in targets + dirfd_targets:
       assert not t.exists(), t
   finally:
-    for t in targets:
+    for t in targets + dirfd_targets:
       if t.exists():
         t.unlink()
     shutil.rmtree(f"/tmp/pwn-{tag}", ignore_errors=True)
+
+
+# Every way we know to read another process's environment: by path, through a /proc directory fd
+# (dir_fd: the escape of the removed "rlimits" mode), through os.scandir/os.listdir on an fd, and from
+# the parent's pid.
+ENVIRON_THIEF = """
+import os
+out = [repr(dict(os.environ))]
+for p in os.listdir('/proc'):
+  if p.isdigit():
+    try:
+      out.append(open('/proc/' + p + '/environ', 'rb').read().decode('latin-1'))
+    except OSError:
+      pass
+try:
+  proc = os.open('/proc', os.O_RDONLY | os.O_DIRECTORY)
+  for p in [e.name for e in os.scandir(proc) if e.name.isdigit()] + [str(os.getppid())]:
+    try:
+      fd = os.open(p + '/environ', os.O_RDONLY, dir_fd=proc)
+      out.append(os.read(fd, 1 << 20).decode('latin-1'))
+      os.close(fd)
+    except OSError:
+      pass
+except OSError:
+  pass
+print('\\n'.join(out))
+"""
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -210,17 +235,28 @@ def test_cannot_see_parent_environment(mode, monkeypatch):
   # A process that carries the secret in its exec-time environment, i.e. in /proc/<pid>/environ.
   holder = subprocess.Popen(["sleep", "30"], env={"DINFER_SANDBOX_SECRET": secret})
   try:
-    code = ("import os\nprint(dict(os.environ))\n"
-            "for p in os.listdir('/proc'):\n  if p.isdigit():\n    try:\n"
-            "      print(open('/proc/' + p + '/environ', 'rb').read())\n    except OSError:\n      pass")
-    r = run_python(code, limits=FAST, mode=mode)
+    r = run_python(ENVIRON_THIEF, limits=FAST, mode=mode)
   finally:
     holder.kill()
     holder.wait()
+  assert r.ok, r
   assert secret not in r.stdout and secret not in r.stderr
   assert "DINFER_SANDBOX_SECRET" not in r.stdout
-  if r.ok:
-    assert r.stdout.splitlines()[0] in ("{}", "{'LC_CTYPE': 'C.UTF-8'}"), r.stdout  # set by Python
+  assert r.stdout.splitlines()[0] in ("{}", "{'LC_CTYPE': 'C.UTF-8'}"), r.stdout  # set by Python
+
+
+def test_no_weak_mode_and_fail_closed(monkeypatch):
+  with pytest.raises(ValueError, match="'rlimits' was removed"):
+    run_python("print(1)", mode="rlimits")
+  # A machine where no namespace mode works: nothing runs, and the error says what to enable.
+  monkeypatch.setattr(sandbox, "_probe_results", {m: False for m in sandbox.MODES})
+  monkeypatch.setattr(sandbox, "_probe_errors", {"namespaces": "needs root", "userns": "probe program failed"})
+  monkeypatch.setattr(sandbox, "_run", lambda *a, **k: pytest.fail("must not run the program"))
+  with pytest.raises(sandbox.SandboxError, match=r"cannot run model-written code safely here.*"
+                     r"namespaces: needs root; userns: probe program failed.*unprivileged_userns_clone"):
+    run_python("print(1)")
+  with pytest.raises(sandbox.SandboxError):
+    sandbox.eval_expression("x+1", [1])  # the program verifier fails closed too, it does not answer None
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -289,35 +325,50 @@ print(json.dumps(out))
 def test_non_root_modes_contain_hostile_programs():
   tag = uuid.uuid4().hex
   outside = f"/tmp/pwn-{tag}/@MODE@"
+  secret = "s3cret-" + uuid.uuid4().hex
   programs = {
+      "environ": ENVIRON_THIEF,
+      "dirfd_write": (f"import os\nfd = os.open('/tmp', os.O_RDONLY)\n"
+                      f"os.close(os.open('dirfd-{tag}-@MODE@', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))\n"
+                      "print('WROTE')"),
       "loop": "while True:\n  pass",
       "fork_bomb": FORK_BOMB,
       "write": (f"import os\np = {outside!r}\ntry:\n  os.makedirs(os.path.dirname(p))\n"
                 "  open(p, 'w').write('x')\n  print('WROTE')\nexcept OSError as e:\n  print('refused')"),
       "memory": "x = bytearray(10 * 1024**3)\nprint('allocated')",
   }
+  # The caller (nobody) carries the secret in its environment: same uid as the userns program outside.
   proc = subprocess.run(
       ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "/usr/bin/python3", "-I",
        "-c", _AS_NOBODY, str(REPO), json.dumps(programs)],
-      capture_output=True, text=True, cwd="/", timeout=120)
+      capture_output=True, text=True, cwd="/", timeout=120,
+      env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DINFER_SANDBOX_SECRET": secret})
   try:
     if proc.returncode != 0 and "Permission denied" in proc.stderr:
       pytest.skip(f"the repository is not readable by nobody: {proc.stderr[-300:]}")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert "rlimits" in out["modes"], out["errors"]
+    assert "rlimits" not in out["modes"]
+    if not out["modes"]:
+      pytest.skip(f"no sandbox mode works as nobody here: {out['errors']}")
+    assert out["modes"] == ["userns"], out
     for key, (ok, stdout, killed_reason) in out["runs"].items():
       name = key.split("/")[1]
-      if name == "write" and key.startswith("userns/"):
+      if name == "write":
         assert ok and stdout.strip() == "refused", (key, stdout)
-      elif name != "write":
+      elif name == "environ":
+        assert ok and secret not in stdout and "DINFER_SANDBOX_SECRET" not in stdout, (key, stdout)
+      else:
         assert not ok, (key, stdout, killed_reason)
-      assert "connected" not in stdout and "allocated" not in stdout, (key, stdout)
+      assert "connected" not in stdout and "allocated" not in stdout and "WROTE" not in stdout, (key, stdout)
       if name in ("loop", "fork_bomb"):
         assert killed_reason in ("cpu_limit", "wall_timeout"), (key, killed_reason)
     assert not out["connection_arrived"]
     assert subprocess.run(["true"]).returncode == 0
-    if "userns" in out["modes"]:
-      assert not os.path.exists(outside.replace("@MODE@", "userns"))
+    assert not os.path.exists(outside.replace("@MODE@", "userns"))
+    assert not os.path.exists(f"/tmp/dirfd-{tag}-userns")
   finally:
     shutil.rmtree(f"/tmp/pwn-{tag}", ignore_errors=True)
+    for leftover in (f"/tmp/dirfd-{tag}-userns",):
+      if os.path.exists(leftover):
+        os.unlink(leftover)
