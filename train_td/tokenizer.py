@@ -147,7 +147,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
   """The tokenizer as a transformers object, with special tokens and chat template set."""
   return PreTrainedTokenizerFast(
       tokenizer_object=build_raw_tokenizer(), pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
-      mask_token=MASK_TOKEN, unk_token=UNK_TOKEN, extra_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN],
+      # `additional_special_tokens`, not transformers 5's `extra_special_tokens`: 4.x reads that name as a
+      # dict of named tokens and fails on a list; 5.x still accepts this one.
+      mask_token=MASK_TOKEN, unk_token=UNK_TOKEN, additional_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN],
       # The default cleanup would turn "3 ." into "3." and break the round trip.
       clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE)
 
@@ -160,12 +162,17 @@ def save_tokenizer(directory: str | os.PathLike) -> PreTrainedTokenizerFast:
   """
   tok = build_tokenizer()
   tok.save_pretrained(os.fspath(directory))
-  # transformers 5 records its internal class name ("TokenizersBackend"), which 4.x cannot resolve;
-  # "PreTrainedTokenizerFast" loads the same tokenizer.json under both.
+  # The file must load under every transformers version pyproject allows (4.52.4 .. 5.x; CI tests both
+  # ends). transformers 5 records its internal class name ("TokenizersBackend"), which 4.x cannot
+  # resolve: "PreTrainedTokenizerFast" loads the same tokenizer.json under both. It also writes the
+  # user/assistant tokens as an `extra_special_tokens` list, which 4.x takes for a dict and fails on
+  # ("'list' object has no attribute 'keys'"); `additional_special_tokens` is read by both.
   config_path = os.path.join(os.fspath(directory), "tokenizer_config.json")
   with open(config_path) as f:
     config = json.load(f)
   config["tokenizer_class"] = "PreTrainedTokenizerFast"
+  config.pop("extra_special_tokens", None)
+  config["additional_special_tokens"] = [USER_TOKEN, ASSISTANT_TOKEN]
   with open(config_path, "w") as f:
     json.dump(config, f, indent=2, sort_keys=True)
     f.write("\n")

@@ -115,6 +115,31 @@ def test_format_prompt_is_identity_on_task_prompts():
       assert T.format_prompt(p.prompt) == p.prompt
 
 
+@pytest.mark.parametrize("where", ["saved", "shipped"])
+def test_tokenizer_files_load_under_transformers_4_and_5(tmp_path, where):
+  """transformers 4.x reads `extra_special_tokens` as a dict and failed on the list 5.x writes: the files
+  use `additional_special_tokens`, which both read (.ci/run repeats this test on the lowest allowed
+  transformers)."""
+  from dinfer_jax import api
+  d = tmp_path if where == "saved" else api.DEFAULT_MODEL_DIR
+  if where == "saved":
+    T.save_tokenizer(tmp_path)
+  config = json.loads((d / "tokenizer_config.json").read_text())
+  assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+  assert config["additional_special_tokens"] == [T.USER_TOKEN, T.ASSISTANT_TOKEN]
+  assert not isinstance(config.get("extra_special_tokens", {}), list)
+  loaded = AutoTokenizer.from_pretrained(d)
+  assert sorted(loaded.all_special_tokens) == sorted(["<|pad|>", "<|eos|>", "<|mask|>", "<|unk|>", T.USER_TOKEN,
+                                                      T.ASSISTANT_TOKEN])
+  assert (loaded.pad_token_id, loaded.eos_token_id, loaded.mask_token_id, loaded.unk_token_id) == (0, 1, 2, 3)
+  text = loaded.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], tokenize=False,
+                                    add_generation_prompt=True)
+  assert text == T.format_chat("What is 12 + 7?") == "<|user|> 12+  7<|assistant|>"
+  ids = loaded.encode(text, add_special_tokens=False)
+  assert ids == [4, 6, 23, 24, 17, 6, 6, 29, 5]
+  assert loaded.decode(ids + [1, 2, 0], skip_special_tokens=True) == " 12+  7"
+
+
 def test_chat_template_matches_format_chat(tmp_path):
   pytest.importorskip("jinja2")  # transformers needs it for apply_chat_template
   T.save_tokenizer(tmp_path)
