@@ -44,10 +44,25 @@ def resolve_path(path: str | os.PathLike | None) -> pathlib.Path:
 
 
 def load_tokenizer(path: pathlib.Path):
-  if not any((path / f).exists() for f in TOKENIZER_FILES):
+  present = [f for f in TOKENIZER_FILES if (path / f).exists()]
+  if not present:
     return None
-  from transformers import AutoTokenizer  # heavy import: only when a tokenizer is there
-  return AutoTokenizer.from_pretrained(str(path))
+  import json
+  for f in present:  # a broken JSON file is named as such, not as a traceback from deep in transformers
+    if f.endswith(".json"):
+      try:
+        json.loads((path / f).read_text())
+      except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise checkpoint.CheckpointError(f"{path / f}: cannot parse: {e}") from None
+  from dinfer_jax import hf_quiet
+  transformers = hf_quiet.import_transformers()  # heavy import: only when a tokenizer is there
+  try:
+    with hf_quiet.errors_only():
+      return transformers.AutoTokenizer.from_pretrained(str(path))
+  except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types; the message says which files
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    raise checkpoint.CheckpointError(f"{path}: cannot load the tokenizer ({', '.join(present)}): "
+                                     f"{type(e).__name__}: {msg}") from None
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",

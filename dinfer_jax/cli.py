@@ -40,16 +40,48 @@ def model_generation_defaults(model_path: str | None) -> dict[str, Any]:
   f = pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE
   if not f.exists():
     return {}
-  data = json.loads(f.read_text())
+  try:
+    data = json.loads(f.read_text())
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise ValueError(f"{f}: cannot parse: {e}") from None
+  if not isinstance(data, dict):
+    raise ValueError(f"{f}: expected a JSON object")
   known = {fl.name for fl in dataclasses.fields(GenerationConfig)}
   return {k: v for k, v in data.items() if k in known}
 
 
 def generation_config(args: argparse.Namespace, model_path: str | None = None) -> GenerationConfig:
-  """Dataclass defaults < the model's generation_config.json < flags given on the command line."""
-  knobs = model_generation_defaults(model_path)
-  knobs.update({f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)})
-  return GenerationConfig(**knobs)
+  """Dataclass defaults < the model's generation_config.json < flags given on the command line.
+
+  A value from generation_config.json that is invalid (and not overridden by a flag) is reported as
+  coming from that file.
+  """
+  import pathlib
+  from_file = model_generation_defaults(model_path)
+  flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
+  try:
+    return GenerationConfig(**{**from_file, **flags})
+  except (TypeError, ValueError) as e:
+    kept = {k: v for k, v in from_file.items() if k not in flags}
+    try:
+      GenerationConfig(**kept)
+    except (TypeError, ValueError) as file_error:
+      f = pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE
+      raise ValueError(f"{f}: {file_error} (a default from the model's {GENERATION_DEFAULTS_FILE}; "
+                       "fix the file or override it with the matching flag)") from None
+    raise ValueError(str(e)) from None
+
+
+def _knob_sources(args: argparse.Namespace, model_path: str | None) -> dict[str, str]:
+  """knob -> where its value came from, for messages."""
+  import pathlib
+  out = {}
+  for k in model_generation_defaults(model_path):
+    out[k] = str(pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE)
+  for f in dataclasses.fields(GenerationConfig):
+    if hasattr(args, f.name):
+      out[f.name] = "--" + f.name.replace("_", "-")
+  return out
 
 
 def encode_prompts(model, prompts: Sequence[str], *, raw: bool = False) -> list[list[int]]:
@@ -111,11 +143,17 @@ def _piece(model, t: int) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
   import dinfer_jax
   model = dinfer_jax.load(args.model, dtype=args.dtype)
+  from dinfer_jax import diagnostics
   gcfg = generation_config(args, model.path)
+  sources = _knob_sources(args, model.path)
+  diagnostics.check_ids(model, gcfg, sources)
+  diagnostics.check_weights(model)
   ids = encode_prompts(model, args.prompts, raw=args.raw)
+  diagnostics.check_fits(model, ids, gcfg, source=sources.get("gen_length", "gen_length"))  # before compiling
   t = time.perf_counter()
   res = dinfer_jax.generate(model, ids, gcfg, seed=args.seed)
   dt = time.perf_counter() - t
+  diagnostics.check_finite(model, ids, gcfg, res)
   for r, prompt in enumerate(args.prompts):
     if len(args.prompts) > 1:
       print(f"### {prompt}")

@@ -21,7 +21,11 @@ import json
 import os
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+
+from dinfer_jax.hf_quiet import import_transformers
+
+import_transformers()  # without its "PyTorch was not found" advice
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 PAD_TOKEN, EOS_TOKEN, MASK_TOKEN, UNK_TOKEN = "<|pad|>", "<|eos|>", "<|mask|>", "<|unk|>"
 USER_TOKEN, ASSISTANT_TOKEN = "<|user|>", "<|assistant|>"
