@@ -4,13 +4,15 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
 from typing import Iterator
 
 _ADVISORY = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
 
 
 def import_transformers():
-  """Imports transformers without its import-time advice that PyTorch is missing (we never need torch).
+  """Imports transformers without its import-time advice that PyTorch is missing (we never need torch)
+  and without tqdm's notebook-widget warning.
 
   The environment variable that silences it is set only for the import, and only if the user had not set it.
   """
@@ -19,7 +21,11 @@ def import_transformers():
     if ours:
       os.environ[_ADVISORY] = "1"
     try:
-      import transformers  # noqa: F401
+      with warnings.catch_warnings():
+        # huggingface_hub imports tqdm.auto, which in a notebook without ipywidgets warns that its
+        # widget bar is unavailable: dinfer-jax shows no download bars at all.
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        import transformers  # noqa: F401
     finally:
       if ours:
         os.environ.pop(_ADVISORY, None)

@@ -484,7 +484,7 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
     raise ValueError(f"code is {len(code_bytes)} bytes; at most disk_bytes/2 = {limits.disk_bytes // 2}")
   is_root = os.geteuid() == 0
   uid = SANDBOX_UID_RANGE[0] + secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0])
-  workdir = tempfile.mkdtemp(prefix="dinfer-sandbox-")
+  workdir = tempfile.mkdtemp(prefix="dinfer-sandbox-", dir=_workdir_parent())
   interpreters = _interpreters()
   hide = []
   if mode == "userns":
@@ -679,6 +679,26 @@ def _rmtree(path: str) -> None:
     except OSError:
       pass
   shutil.rmtree(path, onerror=onexc)
+
+
+def _workdir_parent() -> str:
+  """The temp dir, if the sandboxed uid can reach a directory in it; else /tmp.
+
+  A private TMPDIR (mode 0700 somewhere on its path, as under pytest or in a home directory) would make
+  the program's own working directory unreachable to the unprivileged uid it runs as.
+  """
+  tmp = os.path.realpath(tempfile.gettempdir())
+  path = tmp
+  while True:
+    try:
+      if not os.stat(path).st_mode & 0o001:
+        return "/tmp"
+    except OSError:
+      return "/tmp"
+    parent = os.path.dirname(path)
+    if parent == path:
+      return tmp
+    path = parent
 
 
 def _is_under(path: str, root: str) -> bool:

@@ -372,3 +372,13 @@ def test_non_root_modes_contain_hostile_programs():
     for leftover in (f"/tmp/dirfd-{tag}-userns",):
       if os.path.exists(leftover):
         os.unlink(leftover)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_private_tmpdir_does_not_break_the_sandbox(mode, tmp_path, monkeypatch):
+  private = tmp_path / "private"
+  private.mkdir(mode=0o700)
+  monkeypatch.setattr(sandbox.tempfile, "tempdir", str(private))
+  r = run_python("print(6 * 7)", mode=mode)
+  assert r.ok and r.stdout == "42\n", r
+  assert list(private.iterdir()) == []
