@@ -47,19 +47,19 @@ def load_tokenizer(path: pathlib.Path):
   present = [f for f in TOKENIZER_FILES if (path / f).exists()]
   if not present:
     return None
-  import json
-  for f in present:  # a broken JSON file is named as such, not as a traceback from deep in transformers
-    if f.endswith(".json"):
-      try:
-        json.loads((path / f).read_text())
-      except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise checkpoint.CheckpointError(f"{path / f}: cannot parse: {e}") from None
   from dinfer_jax import hf_quiet
   transformers = hf_quiet.import_transformers()  # heavy import: only when a tokenizer is there
   try:
     with hf_quiet.errors_only():
       return transformers.AutoTokenizer.from_pretrained(str(path))
-  except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types; the message says which files
+  except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types; the message names the file
+    import json
+    for f in present:  # a file that is not even JSON is named as such
+      if f.endswith(".json"):
+        try:
+          json.loads((path / f).read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as bad:
+          raise checkpoint.CheckpointError(f"{path / f}: cannot parse: {bad}") from None
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
     raise checkpoint.CheckpointError(f"{path}: cannot load the tokenizer ({', '.join(present)}): "
                                      f"{type(e).__name__}: {msg}") from None

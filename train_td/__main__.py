@@ -134,8 +134,8 @@ def cmd_eval(args) -> int:
   return evaluate.main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(prog="python -m train_td")
+def build_parser(prog: str = "python -m train_td") -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog=prog)
   sub = ap.add_subparsers(dest="command", required=True)
   _add_train(sub)
   _add_export(sub)
@@ -143,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-  """Runs `python -m train_td` on `argv` (default sys.argv[1:]); returns the exit status."""
-  args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m train_td") -> int:
+  """Runs the train_td CLI on `argv` (default sys.argv[1:]); returns the exit status. `prog` names the
+  command in usage and error lines (e.g. "dinfer-jax train" when another CLI delegates here)."""
+  args = build_parser(prog).parse_args(argv)
   from train_td.sandbox import SandboxError
   try:
     return args.func(args)

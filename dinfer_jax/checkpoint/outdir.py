@@ -113,15 +113,11 @@ def remove_stale_staging(dst: os.PathLike) -> list[pathlib.Path]:
 
 
 @contextlib.contextmanager
-def _signals_raise(dst: pathlib.Path) -> Iterator[None]:
-  """SIGINT/SIGTERM raise Interrupted in the main thread while the block runs (elsewhere: no change)."""
+def _on_signals(handler) -> Iterator[None]:
+  """SIGINT/SIGTERM go to `handler` while the block runs (in the main thread; elsewhere: no change)."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-
-  def handler(signum, _frame):
-    raise Interrupted(signum, dst)
-
   old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
   try:
     yield
@@ -130,18 +126,16 @@ def _signals_raise(dst: pathlib.Path) -> Iterator[None]:
       signal.signal(s, h)
 
 
-@contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
-  """A second Ctrl-C must not interrupt the cleanup of the first."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-  try:
-    yield
-  finally:
-    for s, h in old.items():
-      signal.signal(s, h)
+def _signals_raise(dst: pathlib.Path):
+  """SIGINT/SIGTERM raise Interrupted while the output is being written."""
+  def handler(signum, _frame):
+    raise Interrupted(signum, dst)
+  return _on_signals(handler)
+
+
+def _signals_ignored():
+  """A second Ctrl-C must not interrupt the cleanup of the first, nor the final two renames."""
+  return _on_signals(signal.SIG_IGN)
 
 
 @contextlib.contextmanager
