@@ -99,11 +99,16 @@ def check_fits(model, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, 
                    f"{jax.devices()[0].platform}; {hint}")
 
 
+# Jitted so the test fuses into the reduction: no bool (or fp32) copy of a multi-GiB expert stack.
+# fp32 count: an int32 one could overflow on a leaf of more than 2**31 values (exact up to 2**24).
+_count_nonfinite = jax.jit(lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.float32))
+
+
 def nonfinite_weights(params) -> list[tuple[str, int]]:
   """(dotted leaf path, number of NaN/inf values) of every param leaf that has any."""
   out = []
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    n = int(jnp.sum(~jnp.isfinite(jnp.asarray(x, jnp.float32))))
+    n = int(_count_nonfinite(x))
     if n:
       out.append((".".join(str(getattr(k, "key", k)) for k in path), n))
   return out

@@ -128,3 +128,16 @@ def test_generate_prints_the_answer_and_no_warnings():
   r = subprocess.run([sys.executable, "-m", "dinfer_jax.cli", "generate", "What is 12 + 7?"], env=env,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0 and r.stdout == "19\n" and r.stderr == "", r
+
+
+def test_available_bytes_reads_accelerator_memory_stats():
+  class Device:
+    platform = "gpu"
+
+    def memory_stats(self):
+      return {"bytes_limit": 100 * 2**30, "bytes_in_use": 30 * 2**30}
+
+  assert diagnostics.available_bytes(Device()) == 70 * 2**30
+  Device.memory_stats = lambda self: None  # a backend without statistics: no check rather than a wrong one
+  assert diagnostics.available_bytes(Device()) is None
+  assert diagnostics.available_bytes() > 0  # this CPU machine's MemAvailable
