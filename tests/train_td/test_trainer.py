@@ -303,6 +303,11 @@ def test_export_never_replaces_without_overwrite(three_step_run, tmp_path):
     export_lib.export_run(d, out)
   export_lib.export_run(d, out, overwrite=True)  # a model: replaced on request
   assert (out / "model.safetensors").read_bytes() == before
+  # A model directory written by something else (like the shipped default before this rule) is a model too.
+  from dinfer_jax.checkpoint import outdir
+  (out / outdir.MARKER).unlink()
+  export_lib.export_run(d, out, overwrite=True)
+  assert (out / outdir.MARKER).is_file()
   # A directory that is no model is not replaced even with overwrite (e.g. --out .).
   cwd_like = tmp_path / "work"
   cwd_like.mkdir()
