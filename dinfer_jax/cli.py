@@ -72,7 +72,7 @@ def generation_config(args: argparse.Namespace, model_path: str | None = None) -
     raise ValueError(str(e)) from None
 
 
-def _knob_sources(args: argparse.Namespace, model_path: str | None) -> dict[str, str]:
+def knob_sources(args: argparse.Namespace, model_path: str | None) -> dict[str, str]:
   """knob -> where its value came from, for messages."""
   import pathlib
   out = {}
@@ -145,7 +145,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
   model = dinfer_jax.load(args.model, dtype=args.dtype)
   from dinfer_jax import diagnostics
   gcfg = generation_config(args, model.path)
-  sources = _knob_sources(args, model.path)
+  sources = knob_sources(args, model.path)
   diagnostics.check_ids(model, gcfg, sources)
   diagnostics.check_weights(model)
   ids = encode_prompts(model, args.prompts, raw=args.raw)

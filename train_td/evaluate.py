@@ -80,10 +80,18 @@ def evaluate(model, task: str, n: int, gcfg: GenerationConfig, *, seed: int = 0,
 def main(args) -> int:
   import dinfer_jax
   model = dinfer_jax.load(args.model if args.model != "default" else None, dtype=args.dtype)
-  from dinfer_jax.cli import generation_config
+  from dinfer_jax import diagnostics
+  from dinfer_jax.cli import knob_sources, generation_config
   gcfg = generation_config(args, model.path)  # dataclass < model's generation_config.json < flags
-  res = evaluate(model, args.task, args.n, gcfg, seed=args.seed, batch=args.batch)
   problems = tasks_lib.test_problems(args.task, args.n, args.seed)
+  # The same checks as `dinfer-jax generate`: bad ids, broken weights and a canvas that cannot fit are
+  # one-line errors before anything is compiled (every batch has the first one's shape).
+  sources = knob_sources(args, model.path)
+  diagnostics.check_ids(model, gcfg, sources)
+  diagnostics.check_weights(model)
+  first = [data_lib.encode_prompt(p.prompt) for p in problems[:args.batch]]
+  diagnostics.check_fits(model, first, gcfg, source=sources.get("gen_length", "gen_length"))
+  res = evaluate(model, args.task, args.n, gcfg, seed=args.seed, batch=args.batch, problems=problems)
   for p, a, k in list(zip(problems, res["answers"], res["ok"]))[:args.show]:
     print(f"{'ok ' if k else 'BAD'} {p.prompt} -> {a!r} (ref {p.answer!r})")
   print(f"{args.task}: accuracy {res['accuracy']:.3f} ({res['correct']}/{res['n']})  mean TPF {res['mean_tpf']:.2f}  "

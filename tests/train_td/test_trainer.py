@@ -354,3 +354,9 @@ def test_finished_run_is_extended_on_the_same_schedule(three_step_run, tmp_path,
 def dataclasses_replace(tc, **kw):
   import dataclasses
   return dataclasses.replace(tc, **kw)
+
+
+def test_eval_refuses_bad_generation_knobs_in_one_line(capsys):
+  rc, err = _cli(["eval", "--task", "arithmetic", "--n", 2, "--mask-id", 1000], capsys)
+  assert rc == 2 and err.strip().splitlines()[-1] == (
+      "error: --mask-id: mask_id=1000 is outside the model's vocabulary [0, 128)"), err
