@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register(sub)
   except ImportError:
     pass
+  from dinfer_jax.serve import cli as serve_cli  # imports FastAPI only when `serve` runs
+  serve_cli.register(sub)
   return ap
 
 
