@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     pass
   from dinfer_jax.serve import cli as serve_cli  # imports FastAPI only when `serve` runs
   serve_cli.register(sub)
+  from dinfer_jax.evaluation import cli as eval_cli  # imports lm-eval only when `lm-eval` runs
+  eval_cli.register(sub)
   return ap
 
 

@@ -43,7 +43,10 @@ def run(base: str, prompts: Sequence[str | list[int]], *, requests: int, concurr
         max_tokens: int | None = None, timeout: float = 300.0) -> dict[str, Any]:
   base = base.rstrip("/").removesuffix("/v1")
   if model is None:
-    model = json.loads(_get(base + "/v1/models", 30))["data"][0]["id"]
+    try:
+      model = json.loads(_get(base + "/v1/models", 30))["data"][0]["id"]
+    except (urllib.error.URLError, OSError) as e:
+      raise ValueError(f"--server {base}: cannot reach it ({getattr(e, 'reason', e)})") from None
 
   def one(i: int):
     p = prompts[i % len(prompts)]
