@@ -46,8 +46,28 @@ def resolve_path(path: str | os.PathLike | None) -> pathlib.Path:
 def load_tokenizer(path: pathlib.Path):
   if not any((path / f).exists() for f in TOKENIZER_FILES):
     return None
+  _quiet_transformers()
   from transformers import AutoTokenizer  # heavy import: only when a tokenizer is there
   return AutoTokenizer.from_pretrained(str(path))
+
+
+class _DropIrrelevant:
+  """A logging filter for transformers' config loader: our model types are not registered with
+  transformers (we only use its tokenizers), so its "model of type `llada` to instantiate a model of type"
+  notice says nothing to our users. Every other record passes."""
+
+  def filter(self, record) -> bool:
+    return "to instantiate a model of type" not in record.getMessage()
+
+
+def _quiet_transformers() -> None:
+  """Silences transformers' advice that PyTorch is missing (we never use its models) and the notice above;
+  its other warnings still show."""
+  import logging
+  os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # read when the advice is emitted
+  log = logging.getLogger("transformers.configuration_utils")
+  if not any(isinstance(f, _DropIrrelevant) for f in log.filters):
+    log.addFilter(_DropIrrelevant())
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",

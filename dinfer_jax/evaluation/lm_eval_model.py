@@ -107,9 +107,8 @@ class DinferJaxLM(LM):
   # ------------------------------------------------------------------ generation
 
   def config_for(self, max_gen_toks: int | None, temperature: float) -> GenerationConfig:
-    g = self.gcfg
-    if max_gen_toks and max_gen_toks > g.gen_length:
-      g = g.replace(gen_length=-(-int(max_gen_toks) // g.block_length) * g.block_length)
+    from dinfer_jax.answer import with_token_cap
+    g = with_token_cap(self.gcfg, int(max_gen_toks) if max_gen_toks else None)
     if temperature != g.temperature:
       g = g.replace(temperature=float(temperature))
     return g
@@ -128,7 +127,7 @@ class DinferJaxLM(LM):
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
     import dinfer_jax
-    from dinfer_jax.serve.text import cut_at_stop
+    from dinfer_jax.answer import cut_at_stop
     out: list[str | None] = [None] * len(requests)
     groups: dict[tuple, list[int]] = {}
     parsed = []

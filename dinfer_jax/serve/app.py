@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.serve.batcher import DynamicBatcher, Job, QueueFull
 from dinfer_jax.serve.metrics import Metrics
-from dinfer_jax.serve.text import block_ends, cut_at_stop, stream_pieces
+from dinfer_jax.answer import block_ends, cut_at_stop, stream_pieces, with_token_cap
 
 
 class APIError(Exception):
@@ -120,10 +120,7 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
     if req.model != cfg.model_name:
       raise APIError(404, f"model {req.model!r} does not exist; this server serves {cfg.model_name!r}",
                      param="model", code="model_not_found")
-    g = cfg.gcfg
-    cap = req.max_completion_tokens or req.max_tokens
-    if cap is not None and cap > g.gen_length:  # a longer canvas, rounded up to whole blocks
-      g = g.replace(gen_length=-(-cap // g.block_length) * g.block_length)
+    g = with_token_cap(cfg.gcfg, req.max_completion_tokens or req.max_tokens)
     if req.temperature is not None:
       g = g.replace(temperature=float(req.temperature))
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])

@@ -1,8 +1,24 @@
-"""Answer text helpers shared by the server and the CLI: stop sequences and per-block stream pieces."""
+"""What a user gets back, shared by the CLI, the server and the lm-eval model: a token cap (max_tokens /
+--max-new-tokens / max_gen_toks), stop sequences, and the per-block pieces of a streamed answer."""
 from __future__ import annotations
 
 import os
 from typing import Callable, Sequence
+
+from dinfer_jax.engine.config import GenerationConfig
+
+
+def with_token_cap(gcfg: GenerationConfig, cap: int | None) -> GenerationConfig:
+  """The config for an answer of at most `cap` tokens. A diffusion model fills its whole canvas at once,
+  so a cap below gen_length keeps the canvas (the answer is cut afterwards, as an autoregressive model's
+  answer is a prefix of its longer answer) and a cap above it grows the canvas to whole blocks."""
+  if cap is None:
+    return gcfg
+  if cap <= 0:
+    raise ValueError(f"max new tokens must be positive, got {cap}")
+  if cap > gcfg.gen_length:
+    return gcfg.replace(gen_length=-(-cap // gcfg.block_length) * gcfg.block_length)
+  return gcfg
 
 
 def cut_at_stop(text: str, stops: Sequence[str] | None) -> tuple[str, bool]:
