@@ -119,3 +119,18 @@ def test_offline_lm_eval_scores_what_train_td_eval_scores(monkeypatch, tmp_path,
   assert res["dinfer_jax"]["requests"] == n and res["dinfer_jax"]["tpf"] == pytest.approx(ref["tpf"])
   printed = capsys.readouterr().out
   assert "dinfer_default_arithmetic" in printed and "TPF" in printed
+
+
+def test_repo_task_yamls_are_indexed_and_mbpp_scoring_runs_code():
+  from lm_eval.tasks import TaskManager
+
+  from dinfer_jax.evaluation.cli import TASKS_DIR
+  from dinfer_jax.evaluation.tasks import mbpp_utils
+  names = set(TaskManager(include_path=str(TASKS_DIR)).all_tasks)
+  assert {"gsm8k_llada_moe", "mbpp_sanitized_llada_moe", "dinfer_default_arithmetic",
+          "dinfer_default_program"} <= names
+  tests = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]
+  good = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
+  assert mbpp_utils.process_results({"test_list": tests}, [good]) == {"pass_at_1": 1.0}
+  assert mbpp_utils.process_results({"test_list": tests}, [good.replace("a + b", "a - b")]) == {"pass_at_1": 0.0}
+  assert not mbpp_utils.passes("def f():\n  while True: pass", "", ["assert f() == 1"], timeout=1.0)

@@ -7,7 +7,7 @@ import pytest
 import dinfer_jax
 from dinfer_jax import cli
 from dinfer_jax.serve.batcher import DynamicBatcher, Job, QueueFull, batch_buckets, bucket_for
-from dinfer_jax.serve.text import block_ends, cut_at_stop, stream_pieces
+from dinfer_jax.answer import block_ends, cut_at_stop, stream_pieces
 
 QUESTIONS = ["What is 348+279?", "12 x 13", "f(0..5)=2,5,8,11,14,17", "905-417", "61*7", "f(0..5)=1,3,5,7,9,11"]
 
