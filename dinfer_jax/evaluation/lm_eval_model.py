@@ -3,9 +3,9 @@
     lm_eval --model dinfer_jax --model_args pretrained=PATH,gen_length=256,block_length=32,cache=dual ...
     dinfer-jax lm-eval --model PATH --tasks gsm8k_llada_moe [--model-args k=v,...]   (any lm-eval version)
 
-lm-eval finds the model through the `lm_eval.models` entry point (lm-eval versions with plugin discovery)
-or through the `@register_model` below once this module is imported (`--plugins
-dinfer_jax.evaluation.lm_eval_model`, or `dinfer-jax lm-eval`, which imports it).
+lm-eval finds the model through the `lm_eval.models` entry point (lm-eval releases with plugin discovery,
+after 0.4.13) or through the `@register_model` below once this module is imported (`dinfer-jax lm-eval`
+imports it; lm-eval 0.4.13 has no discovery).
 
 - generate_until: requests are batched through dinfer_jax.generate (rows of different lengths in one
   engine call), `until` stop sequences cut the decoded answer, and `max_gen_toks` caps it: the canvas is
