@@ -1,9 +1,8 @@
 """What a user gets back, shared by the CLI, the server and the lm-eval model: a token cap (max_tokens /
---max-new-tokens / max_gen_toks), stop sequences, and the per-block pieces of a streamed answer."""
+--max-new-tokens / max_gen_toks), stop sequences, and the settled part of a streamed partial answer."""
 from __future__ import annotations
 
-import os
-from typing import Callable, Sequence
+from typing import Sequence
 
 from dinfer_jax.engine.config import GenerationConfig
 
@@ -31,28 +30,17 @@ def cut_at_stop(text: str, stops: Sequence[str] | None) -> tuple[str, bool]:
   return (text[:best], True) if best >= 0 else (text, False)
 
 
-def block_ends(prompt_len: int, block_length: int, n_tokens: int, *, aligned: bool) -> list[int]:
-  """Where each decoded block ends, in generated-token coordinates (clipped to n_tokens). The first block
-  starts at the prompt's end, or at floor(P / B) * B when blocks are aligned to positions."""
-  s0 = (prompt_len // block_length) * block_length if aligned else prompt_len
-  ends, e = [], s0 + block_length - prompt_len
-  while e < n_tokens:
-    ends.append(e)
-    e += block_length
-  return ends + [n_tokens]
-
-
-def stream_pieces(decode: Callable[[Sequence[int]], str], tokens: Sequence[int], ends: Sequence[int],
-                  text: str) -> list[str]:
-  """Splits the final answer `text` into the pieces that became known as each block was committed: the
-  text decoded from the tokens up to each block end, kept to where it agrees with `text` (a stop sequence
-  may have cut it). The pieces concatenate to `text` exactly."""
-  pieces, sent = [], 0
-  for e in ends:
-    known = len(os.path.commonprefix([decode(tokens[:e]), text]))
-    if known > sent:
-      pieces.append(text[sent:known])
-      sent = known
-  if sent < len(text):
-    pieces.append(text[sent:])
-  return pieces
+def settled_prefix(text: str, stops: Sequence[str] | None) -> str:
+  """The part of a partial answer (the text of the tokens committed so far) that later tokens cannot
+  change: before the earliest stop sequence found, before any tail that may be the start of a stop
+  sequence, and before a trailing replacement character (a multi-byte character cut in two)."""
+  cut, found = cut_at_stop(text, stops)
+  end = len(cut) if found else len(text)
+  for s in stops or ():
+    for k in range(min(len(s) - 1, len(text)), 0, -1):
+      if text.endswith(s[:k]):
+        end = min(end, len(text) - k)
+        break
+  while end > 0 and text[end - 1] == "\ufffd":
+    end -= 1
+  return text[:end]

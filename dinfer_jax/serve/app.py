@@ -1,10 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics.
 
-Streaming (`"stream": true`) sends server-sent events, one chunk per decoded block, in block order. The
-engine decodes a request's whole answer in one XLA program, so those chunks are cut from the finished
-answer at the block boundaries (where each block's text became final) and are all sent when the engine
-call returns: the wire format is OpenAI's, the first byte arrives when the whole answer is ready.
+Streaming (`"stream": true`) sends server-sent events while the engine runs: the engine's program hands
+every committed block to the host as it finishes (engine.generate's on_block, an io_callback inside the
+block loop), and the new settled text of each block is sent at once.
 
 Bad input (malformed JSON, unknown model, a prompt the model cannot fit, invalid knobs) is answered with a
 4xx and an OpenAI-style body {"error": {"message", "type", "param", "code"}}; the server keeps serving.
@@ -26,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.serve.batcher import DynamicBatcher, Job, QueueFull
 from dinfer_jax.serve.metrics import Metrics
-from dinfer_jax.answer import block_ends, cut_at_stop, stream_pieces, with_token_cap
+from dinfer_jax.answer import cut_at_stop, settled_prefix, with_token_cap
 
 
 class APIError(Exception):
@@ -72,7 +71,6 @@ class ServerConfig:
   model_name: str
   gcfg: GenerationConfig  # the server's defaults (flags > the model's generation_config.json > dataclass)
   timeout_s: float = 120.0
-  aligned_blocks: bool = False  # blocks start at floor(P / B) * B (start_block_align, LLaDA2)
 
 
 def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
@@ -146,7 +144,10 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
       code = "context_length_exceeded" if "max_position" in str(e) else None
       raise APIError(400, str(e).removeprefix("generate: "), param=param, code=code) from None
 
-  async def run_job(request: Request, prompt: list[int], g: GenerationConfig, req: _Knobs):
+  def submit(prompt: list[int], g: GenerationConfig, req: _Knobs, events: asyncio.Queue | None = None,
+             index: int = 0):
+    """Queues one prompt; (job, future). With `events`, ("tokens", index, rows) arrive there as blocks are
+    committed and ("done", index, result) at the end."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
 
@@ -154,14 +155,35 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
       def put():
         if not fut.done():
           fut.set_result(result)
+        if events is not None:
+          events.put_nowait(("done", index, result))
       loop.call_soon_threadsafe(put)
 
+    on_tokens = None
+    if events is not None:
+      def on_tokens(rows):
+        loop.call_soon_threadsafe(events.put_nowait, ("tokens", index, rows))
+
     seed = req.seed if req.seed is not None else (uuid.uuid4().int & 0x7FFFFFFF)
-    job = Job(prompt=list(prompt), gcfg=g, on_done=done, n=req.n, seed=int(seed))
+    job = Job(prompt=list(prompt), gcfg=g, on_done=done, n=req.n, seed=int(seed), on_tokens=on_tokens)
     try:
       batcher.submit(job)
     except QueueFull as e:
       raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+    return job, fut
+
+  def submit_all(prompts, g, req, events=None):
+    jobs = []
+    try:
+      for i, p in enumerate(prompts):
+        jobs.append(submit(p, g, req, events, i))
+    except APIError:
+      for j, _ in jobs:
+        j.cancel()
+      raise
+    return jobs
+
+  async def wait(request: Request, job: Job, fut: asyncio.Future):
     deadline = time.monotonic() + cfg.timeout_s
     try:
       while not fut.done():
@@ -181,14 +203,14 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
       raise APIError(500, f"generation failed: {type(result).__name__}: {result}", type="server_error")
     return result
 
-  def finish(choice, req: _Knobs, g: GenerationConfig, prompt_len: int):
+  def finish(choice, req: _Knobs):
+    """(answer text, finish_reason, its tokens): cut to the token cap, then before a stop sequence."""
     cap = req.max_completion_tokens or req.max_tokens
     tokens = choice.tokens[:cap] if cap else choice.tokens
     text, stopped = cut_at_stop(decode(tokens), [req.stop] if isinstance(req.stop, str) else req.stop)
     ended = len(choice.tokens) < choice.gen_length  # the model wrote EOS
     reason = "stop" if stopped or (ended and (cap is None or len(choice.tokens) <= cap)) else "length"
-    ends = block_ends(prompt_len, g.block_length, len(tokens), aligned=cfg.aligned_blocks)
-    return text, reason, tokens, ends
+    return text, reason, tokens
 
   def usage(prompt_tokens: int, outs) -> dict[str, Any]:
     ntok = sum(len(o[2]) for o in outs)
@@ -199,28 +221,39 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
     g = request_config(req)
     for p in prompts:  # every prompt is checked before any is queued
       check(p, g, req, param)
-    results = await asyncio.gather(*(run_job(request, p, g, req) for p in prompts))
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if req.stream:
+      return stream(request, req, g, prompts, chat, rid, created, t0)
+    jobs = submit_all(prompts, g, req)
+    results = await asyncio.gather(*(wait(request, j, f) for j, f in jobs))
     outs = []
     for p, choices in zip(prompts, results):
       for c in choices:
-        outs.append(finish(c, req, g, len(p)) + (c.row_nfe,))
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
+        outs.append(finish(c, req) + (c.row_nfe,))
     ptoks = sum(len(p) for p in prompts)
-    nfe = sum(o[4] for o in outs)
+    nfe = sum(o[3] for o in outs)
     stats = {"nfe": nfe, "tpf": (sum(len(o[2]) for o in outs) / nfe) if nfe else 0.0}
-    if not req.stream:
-      if chat:
-        ch = [{"index": i, "message": {"role": "assistant", "content": o[0]}, "finish_reason": o[1],
-               "logprobs": None} for i, o in enumerate(outs)]
-      else:
-        ch = [{"index": i, "text": o[0], "finish_reason": o[1], "logprobs": None} for i, o in enumerate(outs)]
-      metrics.request(request.url.path, 200, time.perf_counter() - t0)
-      return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                           "created": created, "model": cfg.model_name, "choices": ch,
-                           "usage": usage(ptoks, outs), "dinfer": stats})
+    if chat:
+      ch = [{"index": i, "message": {"role": "assistant", "content": o[0]}, "finish_reason": o[1],
+             "logprobs": None} for i, o in enumerate(outs)]
+    else:
+      ch = [{"index": i, "text": o[0], "finish_reason": o[1], "logprobs": None} for i, o in enumerate(outs)]
+    metrics.request(request.url.path, 200, time.perf_counter() - t0)
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                         "created": created, "model": cfg.model_name, "choices": ch,
+                         "usage": usage(ptoks, outs), "dinfer": stats})
 
+  def stream(request: Request, req: _Knobs, g: GenerationConfig, prompts, chat: bool, rid: str, created: int,
+             t0: float) -> StreamingResponse:
+    """Server-sent events as blocks are committed inside the running engine program: each event carries
+    the answer's newly settled text (see answer.settled_prefix); the last one per choice its finish_reason."""
+    events: asyncio.Queue = asyncio.Queue()
+    jobs = submit_all(prompts, g, req, events)  # a full queue is still a plain 429
     obj = "chat.completion.chunk" if chat else "text_completion"
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    cap = req.max_completion_tokens or req.max_tokens
+    n = req.n
 
     def event(i, piece, reason, first=False):
       if chat:
@@ -231,17 +264,58 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
       return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": cfg.model_name,
                                     "choices": [c]}) + "\n\n"
 
-    async def events():
-      for i, (text, reason, tokens, ends, _) in enumerate(outs):
-        if chat:
-          yield event(i, None, None, first=True)
-        for piece in stream_pieces(decode, tokens, ends, text):
-          yield event(i, piece, None)
-        yield event(i, None, reason)
-      yield "data: [DONE]\n\n"
-      metrics.request(request.url.path, 200, time.perf_counter() - t0)
+    def error_event(status, message, type_):
+      return "data: " + json.dumps({"error": {"message": message, "type": type_, "param": None,
+                                              "code": status}}) + "\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    async def events_gen():
+      sent = [""] * (len(prompts) * n)
+      done = set()
+      remaining = len(prompts)
+      deadline = time.monotonic() + cfg.timeout_s
+      try:
+        if chat:
+          for i in range(len(sent)):
+            yield event(i, None, None, first=True)
+        while remaining:
+          if await request.is_disconnected():
+            return
+          if time.monotonic() > deadline:
+            metrics.request(request.url.path, 504)
+            yield error_event(504, f"the request did not finish within {cfg.timeout_s:g}s", "timeout_error")
+            return
+          try:
+            kind, k, payload = await asyncio.wait_for(events.get(), 0.05)
+          except asyncio.TimeoutError:
+            continue
+          if kind == "tokens":
+            rows = payload if len(payload) == n else payload * n  # greedy: one row serves every choice
+            for c, toks in enumerate(rows):
+              i = k * n + c
+              text = settled_prefix(decode(toks[:cap] if cap else toks), stops)
+              if i not in done and len(text) > len(sent[i]) and text.startswith(sent[i]):
+                yield event(i, text[len(sent[i]):], None)
+                sent[i] = text
+            continue
+          remaining -= 1
+          if isinstance(payload, BaseException):
+            metrics.request(request.url.path, 500)
+            yield error_event(500, f"generation failed: {type(payload).__name__}: {payload}", "server_error")
+            return
+          for c, choice in enumerate(payload):
+            i = k * n + c
+            text, reason, _ = finish(choice, req)
+            if len(text) > len(sent[i]) and text.startswith(sent[i]):
+              yield event(i, text[len(sent[i]):], None)
+            yield event(i, None, reason)
+            done.add(i)
+        yield "data: [DONE]\n\n"
+        metrics.request(request.url.path, 200, time.perf_counter() - t0)
+      finally:
+        for j, _ in jobs:  # finished jobs ignore it; queued ones of a client that left are dropped
+          j.cancel()
+
+    return StreamingResponse(events_gen(), media_type="text/event-stream")
 
   @app.post("/v1/completions")
   async def completions(request: Request, req: CompletionRequest):

@@ -10,6 +10,11 @@ bucket so that a handful of compiled programs serve every batch size.
 Requests that sample (temperature > 0) run alone, their `n` choices as rows 0..n-1 of one call with the
 request's seed, so a seeded request gives the same choices every time whatever else is in flight.
 Greedy requests (temperature 0) ignore the seed and need only one row however many choices they ask for.
+
+Every call runs the engine's streaming program (`generate(..., on_block=...)`): as each block is committed
+inside the running program, the worker hands each streaming job its rows' tokens so far. Streaming and
+plain requests therefore share batches and one set of compiled programs; the cost is one device-to-host
+copy of the canvas per block.
 """
 from __future__ import annotations
 
@@ -22,6 +27,10 @@ from typing import Any, Callable, Sequence
 
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.generate import GenerationResult, generate, prepare
+
+
+def _ignore(*_):
+  pass
 
 
 class QueueFull(Exception):
@@ -46,6 +55,7 @@ class Job:
   seed: int = 0
   enqueued: float = dataclasses.field(default_factory=time.monotonic)
   cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+  on_tokens: Callable[[list[list[int]]], None] | None = None  # per block: each row's tokens so far
 
   @property
   def rows(self) -> int:
@@ -159,7 +169,7 @@ class DynamicBatcher:
         continue
       for b in batch_buckets(self.max_batch):
         t = time.perf_counter()
-        generate(self.model, [[token_id] * P], gcfg, batch_bucket=b)
+        generate(self.model, [[token_id] * P], gcfg, batch_bucket=b, on_block=_ignore)
         done += 1
         if progress:
           progress(f"warm-up: prompt {P} tokens x batch {b}: {time.perf_counter() - t:.2f}s")
@@ -212,9 +222,17 @@ class DynamicBatcher:
     gcfg = jobs[0].gcfg
     prompts = [j.prompt for j in jobs for _ in range(j.rows)]
     bucket = bucket_for(len(prompts), self.max_batch)
+    first_row = list(itertools.accumulate([0] + [j.rows for j in jobs]))
+
+    def on_block(_k, rows):
+      for j, r0 in zip(jobs, first_row):
+        if j.on_tokens is not None and not j.cancelled.is_set():
+          j.on_tokens(rows[r0:r0 + j.rows])
+
     t = time.perf_counter()
     try:
-      res: GenerationResult = generate(self.model, prompts, gcfg, seed=jobs[0].seed, batch_bucket=bucket)
+      res: GenerationResult = generate(self.model, prompts, gcfg, seed=jobs[0].seed, batch_bucket=bucket,
+                                       on_block=on_block)
     except Exception as e:  # a failed call fails its jobs, never the worker
       for j in jobs:
         j.on_done(e)

@@ -67,9 +67,7 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   n = batcher.warmup(gcfg, warmup_prompt_lengths(model.config, gcfg, args.warmup_max_prompt_len),
                      token_id=next(i for i in range(model.config.vocab_size) if i != mask))
   log(f"dinfer-jax serve: warmed {n} compiled programs in {time.perf_counter() - t:.1f}s")
-  aligned = gcfg.start_block_align or model.config.family == "llada2_moe"
-  scfg = ServerConfig(model_name=model_name(model, args.served_model_name), gcfg=gcfg, timeout_s=args.timeout_s,
-                      aligned_blocks=aligned)
+  scfg = ServerConfig(model_name=model_name(model, args.served_model_name), gcfg=gcfg, timeout_s=args.timeout_s)
   return create_app(model, batcher, metrics, scfg), batcher, scfg
 
 

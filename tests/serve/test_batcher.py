@@ -7,7 +7,7 @@ import pytest
 import dinfer_jax
 from dinfer_jax import cli
 from dinfer_jax.serve.batcher import DynamicBatcher, Job, QueueFull, batch_buckets, bucket_for
-from dinfer_jax.answer import block_ends, cut_at_stop, stream_pieces
+from dinfer_jax.answer import cut_at_stop, settled_prefix
 
 QUESTIONS = ["What is 348+279?", "12 x 13", "f(0..5)=2,5,8,11,14,17", "905-417", "61*7", "f(0..5)=1,3,5,7,9,11"]
 
@@ -63,6 +63,23 @@ def test_batched_rows_equal_single_runs(model, gcfg):
   assert all(c.bucket in (1, 2, 4) and c.bucket >= c.rows for c in calls)
 
 
+def test_streaming_jobs_get_tokens_block_by_block(model, gcfg):
+  ids = cli.encode_prompts(model, [QUESTIONS[2], QUESTIONS[0]])
+  got, done = [], threading.Event()
+  b = DynamicBatcher(model, max_batch=2, window_s=0.2)
+  final = {}
+  b.submit(Job(prompt=ids[0], gcfg=gcfg, on_done=lambda r: (final.setdefault(0, r), done.set()),
+               on_tokens=got.append))
+  b.submit(Job(prompt=ids[1], gcfg=gcfg, on_done=lambda r: None))  # a plain job in the same batch
+  b.start()
+  try:
+    assert done.wait(120)
+  finally:
+    b.stop()
+  assert [len(rows) for rows in got] == [1, 1] and got[-1][0] == final[0][0].tokens
+  assert len(got[0][0]) < len(got[1][0])  # block 0, then blocks 0-1
+
+
 def test_queue_bound_and_cancelled_jobs_are_dropped(model, gcfg):
   ids = cli.encode_prompts(model, QUESTIONS[:3])
   dropped = []
@@ -115,11 +132,9 @@ def test_cut_at_stop():
   assert cut_at_stop("abc", None) == ("abc", False)
 
 
-def test_block_ends_and_stream_pieces():
-  assert block_ends(9, 4, 8, aligned=False) == [4, 8]
-  assert block_ends(9, 4, 7, aligned=True) == [3, 7]  # first block [8, 12): 3 generated positions
-  vocab = {1: "ab", 2: "c", 3: "de", 4: "f"}
-  dec = lambda ids: "".join(vocab[i] for i in ids)
-  assert stream_pieces(dec, [1, 2, 3, 4], [2, 4], "abcdef") == ["abc", "def"]
-  assert stream_pieces(dec, [1, 2, 3, 4], [2, 4], "abcd") == ["abc", "d"]  # cut at a stop sequence
-  assert stream_pieces(dec, [1, 2, 3, 4], [1, 2, 3, 4], "ab") == ["ab"]
+def test_settled_prefix_holds_back_what_later_tokens_may_change():
+  assert settled_prefix("x*3+2", None) == "x*3+2"
+  assert settled_prefix("x*3+2", ["+"]) == "x*3"  # a stop found: nothing after it
+  assert settled_prefix("x*3+", ["+2"]) == "x*3"  # "+" may start "+2"
+  assert settled_prefix("xcab", ["ab", "cabXY"]) == "x"  # "cab" may start the earlier "cabXY"
+  assert settled_prefix("ab\ufffd", None) == "ab"  # half a multi-byte character
