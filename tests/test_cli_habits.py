@@ -17,13 +17,13 @@ QS = ["What is 348+279?", "f(0..5)=2,5,8,11,14,17", "12 x 13", "905-417", "61*7"
 
 
 @pytest.fixture(scope="module")
-def model():
-  return dinfer_jax.load("default")
+def model(default_model):
+  return default_model
 
 
 @pytest.fixture(scope="module")
-def gcfg(model):
-  return cli.generation_config(cli.build_parser().parse_args(["generate", "x"]), model.path)
+def gcfg(default_gcfg):
+  return default_gcfg
 
 
 def _alone(model, gcfg, msgs_or_text, system=None):

@@ -7,12 +7,12 @@ from dinfer_jax import cli
 
 
 @pytest.fixture(scope="module")
-def model():
-  return dinfer_jax.load("default")
+def model(default_model):
+  return default_model
 
 
-def test_on_block_streams_each_committed_block(model):
-  gcfg = cli.generation_config(cli.build_parser().parse_args(["generate", "x"]), model.path)
+def test_on_block_streams_each_committed_block(model, default_gcfg):
+  gcfg = default_gcfg
   ids = cli.encode_prompts(model, ["What is 348+279?", "f(0..5)=2,5,8,11,14,17", "f(0..5)=1,3,5,7,9,11"])
   seen = []
   res = dinfer_jax.generate(model, ids, gcfg, batch_bucket=4, on_block=lambda k, rows: seen.append((k, rows)))

@@ -64,14 +64,14 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def model():
-  return dinfer_jax.load("default")
+def model(default_model):
+  return default_model
 
 
 @pytest.fixture(scope="module")
-def alone(model):
+def alone(model, default_gcfg):
   """Each question's answer run alone through dinfer_jax.generate, decoded as the server decodes."""
-  gcfg = cli.generation_config(cli.build_parser().parse_args(["generate", "x"]), model.path)
+  gcfg = default_gcfg
   ids = cli.encode_prompts(model, QUESTIONS)
   return {q: model.tokenizer.decode(dinfer_jax.generate(model, [p], gcfg).tokens[0], skip_special_tokens=True)
           for q, p in zip(QUESTIONS, ids)}
@@ -91,7 +91,7 @@ def _raw(base, path, body: bytes):
     return e.code, json.loads(e.read())
 
 
-def test_openai_client_round_trip(client, alone):
+def test_openai_client_round_trip(client, alone, model):
   assert [m.id for m in client.models.list().data] == ["default"]
   r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "What is 348+279?"}])
   assert r.choices[0].message.content == alone["What is 348+279?"] and r.choices[0].message.content.strip() == "627"
@@ -102,7 +102,7 @@ def test_openai_client_round_trip(client, alone):
       {"role": "assistant", "content": " 156"}, {"role": "user", "content": "What is 348+279?"}])
   assert r.choices[0].message.content.strip().isdigit()
   # Completion on the raw (template-free) text, and on token ids.
-  tok = dinfer_jax.load("default").tokenizer
+  tok = model.tokenizer
   text = tok.apply_chat_template([{"role": "user", "content": "61*7"}], tokenize=False, add_generation_prompt=True)
   r = client.completions.create(model="default", prompt=text)
   assert r.choices[0].text == alone["61*7"]
