@@ -103,6 +103,7 @@ def test_unknown_characters_are_a_warning(capsys):
   assert "warning: prompt 0: '€' not in the tokenizer's vocabulary" in err
 
 
+@pytest.mark.slow  # compiles/indexes more than the default suite can afford
 def test_transformers_noise_is_silenced():
   r = subprocess.run([sys.executable, "-m", "dinfer_jax.cli", "generate", "What is 348+279?"], capture_output=True,
                      text=True, timeout=300)

@@ -121,6 +121,7 @@ def test_offline_lm_eval_scores_what_train_td_eval_scores(monkeypatch, tmp_path,
   assert "dinfer_default_arithmetic" in printed and "TPF" in printed
 
 
+@pytest.mark.slow  # compiles/indexes more than the default suite can afford
 def test_repo_task_yamls_are_indexed_and_mbpp_scoring_runs_code():
   from lm_eval.tasks import TaskManager
 

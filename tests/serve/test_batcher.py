@@ -92,6 +92,7 @@ def test_queue_bound_and_cancelled_jobs_are_dropped(default_model, default_gcfg)
   assert b.depth == 0
 
 
+@pytest.mark.slow  # compiles/indexes more than the default suite can afford
 def test_seeded_sampling_runs_alone_and_reproduces(default_model, default_gcfg):
   """A sampled request's n choices are rows 0..n-1 of one call with its seed, whatever else is queued."""
   g = default_gcfg.replace(temperature=1.0)
