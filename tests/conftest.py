@@ -9,3 +9,20 @@ import jax  # noqa: E402
 
 # Numerics tests compare against fp32 references; the CPU default is already fp32, but be explicit.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_model():
+  """The embedded default model (dinfer_jax.load("default")), loaded once per session."""
+  import dinfer_jax
+  return dinfer_jax.load("default")
+
+
+@pytest.fixture(scope="session")
+def default_gcfg(default_model):
+  """The generation config `dinfer-jax generate` uses for the embedded model (its generation_config.json)."""
+  from dinfer_jax import cli
+  return cli.generation_config(cli.build_parser().parse_args(["generate", "x"]), default_model.path)

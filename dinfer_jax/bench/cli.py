@@ -41,6 +41,13 @@ def register(subparsers) -> None:
                  help="gen_length of the overhead probe (default: the config's); the probe never stops early")
   b.add_argument("--json", dest="json_out", default=None, help="write the results as one JSON object here")
   b.add_argument("--no-progress", action="store_true")
+  srv = b.add_argument_group("server load test (--server): requests to a running dinfer-jax serve")
+  srv.add_argument("--server", default=None, metavar="URL",
+                   help="benchmark the OpenAI-compatible server at URL (e.g. http://127.0.0.1:8000) instead "
+                        "of the in-process engine: throughput, p50/p99 latency")
+  srv.add_argument("--requests", type=int, default=256, help="requests to send (default %(default)s)")
+  srv.add_argument("--concurrency", type=int, default=32, help="client threads (default %(default)s)")
+  srv.add_argument("--max-tokens", type=int, default=None, help="max_tokens of each request")
   cli.add_generation_flags(b)
   b.set_defaults(func=cmd_bench)
 
@@ -117,7 +124,28 @@ def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
   }
 
 
+def cmd_bench_server(args: argparse.Namespace) -> int:
+  from dinfer_jax.bench import server
+  if args.requests <= 0 or args.concurrency <= 0:
+    raise ValueError("--requests and --concurrency must be positive")
+  if args.prompts:
+    data = json.loads(pathlib.Path(args.prompts).read_text())
+    if not isinstance(data, list) or not data:
+      raise ValueError(f"--prompts {args.prompts}: expected a non-empty JSON list of strings or token-id lists")
+  else:
+    data = list(throughput.TEXT_PROMPTS)
+  res = server.run(args.server, data, requests=args.requests, concurrency=args.concurrency,
+                   max_tokens=args.max_tokens)
+  res["machine"] = machine_info()
+  print(server.report(res))
+  if args.json_out:
+    pathlib.Path(args.json_out).write_text(json.dumps(res, indent=1))
+  return 0 if res["errors"] == 0 else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+  if args.server:
+    return cmd_bench_server(args)
   import dinfer_jax
   from dinfer_jax import cli
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]

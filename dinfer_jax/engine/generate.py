@@ -73,11 +73,16 @@ def engine_mode(mcfg: ModelConfig, gcfg: GenerationConfig) -> tuple[str, bool]:
   return gcfg.cache, False
 
 
-def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig) -> tuple[Layout, dict[str, Any]]:
-  """Validates and lays out the prompts; returns the layout and the static arguments of the program."""
+def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *,
+            batch_bucket: int | None = None) -> tuple[Layout, dict[str, Any]]:
+  """Validates and lays out the prompts; returns the layout and the static arguments of the program.
+  batch_bucket: pad the batch with invalid rows up to this many (one compiled program per bucket)."""
   mode, block_causal = engine_mode(mcfg, gcfg)
   prompts = normalize_prompts(prompts)
-  lay = make_layout(prompts, gcfg, mcfg, block_diffusion=block_causal or mode == "block_diffusion")
+  if batch_bucket is not None and batch_bucket < len(prompts):
+    raise ValueError(f"generate: batch_bucket={batch_bucket} is smaller than the {len(prompts)} prompts")
+  lay = make_layout(prompts, gcfg, mcfg, block_diffusion=block_causal or mode == "block_diffusion",
+                    batch_bucket=batch_bucket)
   mask_id = gcfg.mask_id if gcfg.mask_id is not None else mcfg.mask_token_id
   eos_id = gcfg.eos_id if gcfg.eos_id is not None else mcfg.eos_token_id
   static = dict(mcfg=mcfg, gcfg=gcfg, grid=lay.grid, decoder=decoder_for(gcfg, mcfg.vocab_size), mode=mode,
@@ -85,12 +90,37 @@ def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig) -> tuple[Layout,
   return lay, static
 
 
-def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *, seed: int = 0):
-  """Runs the program; returns (layout, device outputs) without host post-processing (for benchmarks)."""
-  lay, static = prepare(mcfg, prompts, gcfg)
-  out = loop.run_jit()(params, jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions),
-                       jax.random.PRNGKey(seed), **static)
+def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *, seed: int = 0,
+                    batch_bucket: int | None = None, on_block=None):
+  """Runs the program; returns (layout, device outputs) without host post-processing (for benchmarks).
+  on_block(block_index, rows_tokens): see generate."""
+  lay, static = prepare(mcfg, prompts, gcfg, batch_bucket=batch_bucket)
+  args = (params, jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions),
+          jax.random.PRNGKey(seed))
+  if on_block is None:
+    return lay, loop.run_jit()(*args, **static), static
+  sid = loop.register_stream(_row_tokens_callback(lay, len(normalize_prompts(prompts)), static["eos_id"], on_block))
+  try:
+    out = jax.block_until_ready(loop.run_jit()(*args, **static, stream=True, stream_id=jnp.int32(sid)))
+  finally:
+    loop.unregister_stream(sid)
   return lay, out, static
+
+
+def _row_tokens_callback(lay: Layout, n_rows: int, eos_id: int, on_block):
+  """Turns the engine's per-block canvas into each row's generated tokens committed so far (up to the
+  block's end, before the first EOS)."""
+  C, L = lay.grid.first_block, lay.grid.block_len
+
+  def emit(k: int, canvas: np.ndarray) -> None:
+    upto = C + (k + 1) * L
+    rows = []
+    for r in range(n_rows):
+      start, end = int(lay.pad[r] + lay.prompt_len[r]), min(int(lay.end[r]), upto)
+      gen = canvas[r, start:end].tolist() if end > start else []
+      rows.append(gen[:count_generated(gen, eos_id)])
+    on_block(k, rows)
+  return emit
 
 
 def collect(lay: Layout, out: dict, n_rows: int, eos_id: int) -> GenerationResult:
@@ -113,17 +143,24 @@ def collect(lay: Layout, out: dict, n_rows: int, eos_id: int) -> GenerationResul
   return res
 
 
-def generate(model, prompts, config: GenerationConfig | None = None, *, seed: int = 0) -> GenerationResult:
+def generate(model, prompts, config: GenerationConfig | None = None, *, seed: int = 0,
+             batch_bucket: int | None = None, on_block=None) -> GenerationResult:
   """Generates for a batch of prompts (a list of token-id lists, ragged, or one list).
 
   Args:
     model: a dinfer_jax Model (from dinfer_jax.load) or a (params, ModelConfig) pair.
     config: GenerationConfig (default GenerationConfig()).
     seed: PRNG seed for temperature sampling; same seed, same output.
+    batch_bucket: run the program at this many rows (the extra rows are invalid: they never decode and
+      take part in no forward's NFE), so that batches of different sizes share one compiled program.
+    on_block: streaming. Called from inside the running program (on a runtime thread) as each block is
+      committed, with the block index and, per row, the generated tokens committed so far (before the first
+      EOS); a row that stopped early repeats its tokens. The program is compiled once more for streaming.
   """
   params, mcfg = (model.params, model.config) if hasattr(model, "params") else model
   gcfg = config or GenerationConfig()
   prompts = normalize_prompts(prompts)
   with use_mesh(getattr(model, "mesh", None)):
-    lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed)
+    lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed, batch_bucket=batch_bucket,
+                                       on_block=on_block)
   return collect(lay, out, len(prompts), static["eos_id"])

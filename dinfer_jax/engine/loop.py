@@ -10,10 +10,13 @@ exactly as if it ran alone.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
 
 from dinfer_jax import cache as cache_lib
 from dinfer_jax.cache import CACHED, FULL, REFRESH, KVCache
@@ -47,7 +50,8 @@ def _init_rows(decoder, tokens, maskable):
 
 def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array, seed: jax.Array, *,
         mcfg: ModelConfig, gcfg: GenerationConfig, grid: Grid, decoder: Any, mode: str,
-        block_causal: bool, mask_id: int, eos_id: int) -> dict[str, jax.Array]:
+        block_causal: bool, mask_id: int, eos_id: int, stream: bool = False,
+        stream_id: jax.Array | None = None) -> dict[str, jax.Array]:
   """The jitted body (see engine.generate for the host side).
 
   Args:
@@ -55,6 +59,8 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     seed: a PRNG key.
     mode: "none" | "prefix" | "dual" | "block_diffusion".
     block_causal: full forwards use LLaDA2's block-causal mask (block diffusion without a cache).
+    stream, stream_id: when stream, every finished block's canvas goes to the host callback registered
+      under stream_id (register_stream) while the program runs.
   Returns: dict with canvas [B, Tc], commit [B, Tc] (1-based forward index of the row, -1 never),
     row_nfe [B], nfe [] (forwards executed by the call), full/cached forward counts.
   """
@@ -252,6 +258,8 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       out["canvas"] = jnp.where(fill, eos_id, cv)
       out["done"] = st["done"] | has_eos
     out["block"] = st["block"] + 1
+    if stream:  # the block is final: hand it to the host now, not when the whole program returns
+      io_callback(_emit_block, None, stream_id, st["block"], out["canvas"], ordered=True)
     return out
 
   def block_cond(st):
@@ -262,7 +270,29 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
           "n_full": st["n_full"], "n_cached": st["n_cached"]}
 
 
-STATIC = ("mcfg", "gcfg", "grid", "decoder", "mode", "block_causal", "mask_id", "eos_id")
+STATIC = ("mcfg", "gcfg", "grid", "decoder", "mode", "block_causal", "mask_id", "eos_id", "stream")
+
+# Streaming: host callbacks of running programs, by id (the id is a traced argument, so one compiled
+# program serves every stream).
+_STREAMS: dict[int, Any] = {}
+_STREAM_IDS = itertools.count(1)
+
+
+def register_stream(fn) -> int:
+  """Registers fn(block_index, canvas [B, Tc] numpy) for a program run with stream=True; returns its id."""
+  sid = next(_STREAM_IDS)
+  _STREAMS[sid] = fn
+  return sid
+
+
+def unregister_stream(sid: int) -> None:
+  _STREAMS.pop(sid, None)
+
+
+def _emit_block(stream_id, block, canvas) -> None:
+  fn = _STREAMS.get(int(stream_id))
+  if fn is not None:
+    fn(int(block), np.asarray(canvas))
 
 
 @functools.cache

@@ -1,0 +1,350 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics.
+
+Streaming (`"stream": true`) sends server-sent events while the engine runs: the engine's program hands
+every committed block to the host as it finishes (engine.generate's on_block, an io_callback inside the
+block loop), and the new settled text of each block is sent at once.
+
+Bad input (malformed JSON, unknown model, a prompt the model cannot fit, invalid knobs) is answered with a
+4xx and an OpenAI-style body {"error": {"message", "type", "param", "code"}}; the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.serve.batcher import DynamicBatcher, Job, QueueFull
+from dinfer_jax.serve.metrics import Metrics
+from dinfer_jax.answer import cut_at_stop, settled_prefix, with_token_cap
+
+
+class APIError(Exception):
+  def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None):
+    super().__init__(message)
+    self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+  return JSONResponse(status_code=status,
+                      content={"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+class _Knobs(BaseModel):
+  model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we have no use for (user, ...)
+  model: str
+  max_tokens: int | None = Field(default=None, ge=1)
+  max_completion_tokens: int | None = Field(default=None, ge=1)
+  temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+  seed: int | None = None
+  n: int = Field(default=1, ge=1, le=128)
+  stop: Union[str, list[str], None] = None
+  stream: bool = False
+
+
+class CompletionRequest(_Knobs):
+  prompt: Union[str, list[str], list[int], list[list[int]]]
+
+
+class ChatMessage(BaseModel):
+  model_config = ConfigDict(extra="ignore")
+  role: Literal["system", "user", "assistant"]
+  content: str
+
+
+class ChatRequest(_Knobs):
+  messages: list[ChatMessage] = Field(min_length=1)
+
+
+@dataclasses.dataclass
+class ServerConfig:
+  model_name: str
+  gcfg: GenerationConfig  # the server's defaults (flags > the model's generation_config.json > dataclass)
+  timeout_s: float = 120.0
+
+
+def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
+  app = FastAPI(title="dinfer-jax", docs_url=None, redoc_url=None)
+  tok = model.tokenizer
+
+  @app.exception_handler(RequestValidationError)
+  async def _invalid(request: Request, exc: RequestValidationError):
+    errs = exc.errors()
+    first = errs[0] if errs else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+      msg = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', msg)})"
+      loc = []  # the location is a character offset, not a parameter
+    elif loc:
+      msg = f"{'.'.join(loc)}: {msg}"
+    metrics.request(request.url.path, 400)
+    return error_response(400, msg, param=".".join(loc) or None)
+
+  @app.exception_handler(APIError)
+  async def _api_error(request: Request, exc: APIError):
+    metrics.request(request.url.path, exc.status)
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+  @app.exception_handler(Exception)
+  async def _unexpected(request: Request, exc: Exception):  # never a bare 500 page or a dead server
+    metrics.request(request.url.path, 500)
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok", "model": cfg.model_name, "queue_depth": batcher.depth}
+
+  @app.get("/metrics")
+  async def prom():
+    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
+                                         "owned_by": "dinfer-jax"}]}
+
+  def request_config(req: _Knobs) -> GenerationConfig:
+    if req.model != cfg.model_name:
+      raise APIError(404, f"model {req.model!r} does not exist; this server serves {cfg.model_name!r}",
+                     param="model", code="model_not_found")
+    g = with_token_cap(cfg.gcfg, req.max_completion_tokens or req.max_tokens)
+    if req.temperature is not None:
+      g = g.replace(temperature=float(req.temperature))
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+      raise APIError(400, "stop: at most 4 non-empty stop sequences", param="stop")
+    return g
+
+  def encode_text(text: str) -> list[int]:
+    if tok is None:
+      raise APIError(400, f"model {cfg.model_name!r} has no tokenizer: send prompts as token-id lists",
+                     param="prompt")
+    return tok.encode(text, add_special_tokens=False)
+
+  def decode(ids) -> str:
+    if tok is None:
+      return " ".join(str(i) for i in ids)
+    return tok.decode(list(ids), skip_special_tokens=True)
+
+  def check(prompt: list[int], g: GenerationConfig, req: _Knobs, param: str) -> None:
+    try:
+      batcher.validate(prompt, g, req.n)
+    except ValueError as e:
+      code = "context_length_exceeded" if "max_position" in str(e) else None
+      raise APIError(400, str(e).removeprefix("generate: "), param=param, code=code) from None
+
+  def submit(prompt: list[int], g: GenerationConfig, req: _Knobs, events: asyncio.Queue | None = None,
+             index: int = 0):
+    """Queues one prompt; (job, future). With `events`, ("tokens", index, rows) arrive there as blocks are
+    committed and ("done", index, result) at the end."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def done(result):
+      def put():
+        if not fut.done():
+          fut.set_result(result)
+        if events is not None:
+          events.put_nowait(("done", index, result))
+      loop.call_soon_threadsafe(put)
+
+    on_tokens = None
+    if events is not None:
+      def on_tokens(rows):
+        loop.call_soon_threadsafe(events.put_nowait, ("tokens", index, rows))
+
+    seed = req.seed if req.seed is not None else (uuid.uuid4().int & 0x7FFFFFFF)
+    job = Job(prompt=list(prompt), gcfg=g, on_done=done, n=req.n, seed=int(seed), on_tokens=on_tokens)
+    try:
+      batcher.submit(job)
+    except QueueFull as e:
+      raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
+    return job, fut
+
+  def submit_all(prompts, g, req, events=None):
+    jobs = []
+    try:
+      for i, p in enumerate(prompts):
+        jobs.append(submit(p, g, req, events, i))
+    except APIError:
+      for j, _ in jobs:
+        j.cancel()
+      raise
+    return jobs
+
+  async def wait(request: Request, job: Job, fut: asyncio.Future):
+    deadline = time.monotonic() + cfg.timeout_s
+    try:
+      while not fut.done():
+        if await request.is_disconnected():  # nobody will read the answer: free its place in the queue
+          job.cancel()
+          raise APIError(499, "the client closed the request", code="client_closed")
+        if time.monotonic() > deadline:
+          job.cancel()
+          raise APIError(504, f"the request did not finish within {cfg.timeout_s:g}s", type="timeout_error",
+                         code="timeout")
+        await asyncio.wait({fut}, timeout=0.05)
+    except asyncio.CancelledError:
+      job.cancel()
+      raise
+    result = fut.result()
+    if isinstance(result, BaseException):
+      raise APIError(500, f"generation failed: {type(result).__name__}: {result}", type="server_error")
+    return result
+
+  def finish(choice, req: _Knobs):
+    """(answer text, finish_reason, its tokens): cut to the token cap, then before a stop sequence."""
+    cap = req.max_completion_tokens or req.max_tokens
+    tokens = choice.tokens[:cap] if cap else choice.tokens
+    text, stopped = cut_at_stop(decode(tokens), [req.stop] if isinstance(req.stop, str) else req.stop)
+    ended = len(choice.tokens) < choice.gen_length  # the model wrote EOS
+    reason = "stop" if stopped or (ended and (cap is None or len(choice.tokens) <= cap)) else "length"
+    return text, reason, tokens
+
+  def usage(prompt_tokens: int, outs) -> dict[str, Any]:
+    ntok = sum(len(o[2]) for o in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": ntok, "total_tokens": prompt_tokens + ntok}
+
+  async def serve(request: Request, req: _Knobs, prompts: list[list[int]], chat: bool, param: str):
+    t0 = time.perf_counter()
+    g = request_config(req)
+    for p in prompts:  # every prompt is checked before any is queued
+      check(p, g, req, param)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if req.stream:
+      return stream(request, req, g, prompts, chat, rid, created, t0)
+    jobs = submit_all(prompts, g, req)
+    results = await asyncio.gather(*(wait(request, j, f) for j, f in jobs))
+    outs = []
+    for p, choices in zip(prompts, results):
+      for c in choices:
+        outs.append(finish(c, req) + (c.row_nfe,))
+    ptoks = sum(len(p) for p in prompts)
+    nfe = sum(o[3] for o in outs)
+    stats = {"nfe": nfe, "tpf": (sum(len(o[2]) for o in outs) / nfe) if nfe else 0.0}
+    if chat:
+      ch = [{"index": i, "message": {"role": "assistant", "content": o[0]}, "finish_reason": o[1],
+             "logprobs": None} for i, o in enumerate(outs)]
+    else:
+      ch = [{"index": i, "text": o[0], "finish_reason": o[1], "logprobs": None} for i, o in enumerate(outs)]
+    metrics.request(request.url.path, 200, time.perf_counter() - t0)
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                         "created": created, "model": cfg.model_name, "choices": ch,
+                         "usage": usage(ptoks, outs), "dinfer": stats})
+
+  def stream(request: Request, req: _Knobs, g: GenerationConfig, prompts, chat: bool, rid: str, created: int,
+             t0: float) -> StreamingResponse:
+    """Server-sent events as blocks are committed inside the running engine program: each event carries
+    the answer's newly settled text (see answer.settled_prefix); the last one per choice its finish_reason."""
+    events: asyncio.Queue = asyncio.Queue()
+    jobs = submit_all(prompts, g, req, events)  # a full queue is still a plain 429
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    cap = req.max_completion_tokens or req.max_tokens
+    n = req.n
+
+    def event(i, piece, reason, first=False):
+      if chat:
+        delta = ({"role": "assistant", "content": ""} if first else {}) if piece is None else {"content": piece}
+        c = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+      else:
+        c = {"index": i, "text": piece or "", "finish_reason": reason, "logprobs": None}
+      return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": cfg.model_name,
+                                    "choices": [c]}) + "\n\n"
+
+    def error_event(status, message, type_):
+      return "data: " + json.dumps({"error": {"message": message, "type": type_, "param": None,
+                                              "code": status}}) + "\n\n"
+
+    async def events_gen():
+      sent = [""] * (len(prompts) * n)
+      done = set()
+      remaining = len(prompts)
+      deadline = time.monotonic() + cfg.timeout_s
+      try:
+        if chat:
+          for i in range(len(sent)):
+            yield event(i, None, None, first=True)
+        while remaining:
+          if await request.is_disconnected():
+            return
+          if time.monotonic() > deadline:
+            metrics.request(request.url.path, 504)
+            yield error_event(504, f"the request did not finish within {cfg.timeout_s:g}s", "timeout_error")
+            return
+          try:
+            kind, k, payload = await asyncio.wait_for(events.get(), 0.05)
+          except asyncio.TimeoutError:
+            continue
+          if kind == "tokens":
+            rows = payload if len(payload) == n else payload * n  # greedy: one row serves every choice
+            for c, toks in enumerate(rows):
+              i = k * n + c
+              text = settled_prefix(decode(toks[:cap] if cap else toks), stops)
+              if i not in done and len(text) > len(sent[i]) and text.startswith(sent[i]):
+                yield event(i, text[len(sent[i]):], None)
+                sent[i] = text
+            continue
+          remaining -= 1
+          if isinstance(payload, BaseException):
+            metrics.request(request.url.path, 500)
+            yield error_event(500, f"generation failed: {type(payload).__name__}: {payload}", "server_error")
+            return
+          for c, choice in enumerate(payload):
+            i = k * n + c
+            text, reason, _ = finish(choice, req)
+            if len(text) > len(sent[i]) and text.startswith(sent[i]):
+              yield event(i, text[len(sent[i]):], None)
+            yield event(i, None, reason)
+            done.add(i)
+        yield "data: [DONE]\n\n"
+        metrics.request(request.url.path, 200, time.perf_counter() - t0)
+      finally:
+        for j, _ in jobs:  # finished jobs ignore it; queued ones of a client that left are dropped
+          j.cancel()
+
+    return StreamingResponse(events_gen(), media_type="text/event-stream")
+
+  @app.post("/v1/completions")
+  async def completions(request: Request, req: CompletionRequest):
+    p = req.prompt
+    if isinstance(p, str):
+      prompts = [encode_text(p)]
+    elif p and all(isinstance(x, int) for x in p):
+      prompts = [list(p)]
+    elif p and all(isinstance(x, str) for x in p):
+      prompts = [encode_text(x) for x in p]
+    elif p and all(isinstance(x, list) for x in p):
+      prompts = [list(x) for x in p]
+    else:
+      raise APIError(400, "prompt: a string, a list of strings, a token-id list or a list of token-id lists",
+                     param="prompt")
+    if any(len(x) == 0 for x in prompts):
+      raise APIError(400, "prompt: empty prompt", param="prompt")
+    return await serve(request, req, prompts, chat=False, param="prompt")
+
+  @app.post("/v1/chat/completions")
+  async def chat(request: Request, req: ChatRequest):
+    if tok is None or not getattr(tok, "chat_template", None):
+      raise APIError(400, f"model {cfg.model_name!r} has no chat template; use /v1/completions",
+                     param="messages")
+    msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+    try:
+      text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template itself refuses (e.g. roles out of order)
+      raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+    return await serve(request, req, [tok.encode(text, add_special_tokens=False)], chat=True, param="messages")
+
+  return app

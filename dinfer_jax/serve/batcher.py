@@ -1,0 +1,250 @@
+"""Dynamic batching: requests that arrive within a short window are decoded together in one engine call.
+
+One worker thread owns the engine. It takes the oldest waiting request, gathers every request that arrives
+until `window_s` after the oldest one's arrival (or until `max_batch` rows), and runs those that share its
+GenerationConfig in one `dinfer_jax.generate` call; the others wait for the next call. The engine lays
+ragged prompts out per row (left padding masked out of attention, per-row positions and counters), so a
+row's answer equals running that prompt alone; the batch is padded with invalid rows up to a power-of-two
+bucket so that a handful of compiled programs serve every batch size.
+
+Requests that sample (temperature > 0) run alone, their `n` choices as rows 0..n-1 of one call with the
+request's seed, so a seeded request gives the same choices every time whatever else is in flight.
+Greedy requests (temperature 0) ignore the seed and need only one row however many choices they ask for.
+
+Every call runs the engine's streaming program (`generate(..., on_block=...)`): as each block is committed
+inside the running program, the worker hands each streaming job its rows' tokens so far. Streaming and
+plain requests therefore share batches and one set of compiled programs; the cost is one device-to-host
+copy of the canvas per block.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine.generate import GenerationResult, generate, prepare
+
+
+def _ignore(*_):
+  pass
+
+
+class QueueFull(Exception):
+  """The bounded request queue is full (the server answers 429)."""
+
+
+@dataclasses.dataclass
+class Choice:
+  tokens: list[int]  # generated tokens before the first EOS
+  gen_length: int  # generated positions of the canvas (tokens shorter than this: the model ended with EOS)
+  row_nfe: int  # forwards this row took part in
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+  """One request: a prompt, its config and how many choices; `on_done` gets a list of Choice or an
+  exception, from the worker thread."""
+  prompt: list[int]
+  gcfg: GenerationConfig
+  on_done: Callable[[Any], None]
+  n: int = 1
+  seed: int = 0
+  enqueued: float = dataclasses.field(default_factory=time.monotonic)
+  cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+  on_tokens: Callable[[list[list[int]]], None] | None = None  # per block: each row's tokens so far
+
+  @property
+  def rows(self) -> int:
+    return self.n if self.gcfg.temperature > 0 else 1
+
+  def batch_key(self):
+    # Sampled jobs get a key of their own: their seed must see their rows at 0..n-1.
+    return (self.gcfg,) if self.gcfg.temperature == 0 else (self.gcfg, id(self))
+
+  def cancel(self) -> None:
+    self.cancelled.set()
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+  """Powers of two below max_batch, then max_batch: the row counts compiled programs are built for."""
+  out = [b for b in (2 ** i for i in range(max_batch.bit_length())) if b < max_batch]
+  return out + [max_batch]
+
+
+def bucket_for(rows: int, max_batch: int) -> int:
+  return next(b for b in batch_buckets(max_batch) if b >= rows)
+
+
+@dataclasses.dataclass
+class BatchStats:
+  """What the worker reports per engine call (for metrics)."""
+  rows: int
+  bucket: int
+  seconds: float
+  nfe: int
+  tokens: int
+  row_forwards: int
+  jobs: int
+
+
+class DynamicBatcher:
+  """Bounded queue + one worker thread running batched engine calls.
+
+  Args:
+    model: a dinfer_jax Model.
+    max_batch: most rows per engine call.
+    window_s: how long after the oldest waiting request's arrival the worker keeps gathering.
+    max_queue: most requests waiting (queued, not yet running); `submit` raises QueueFull beyond it.
+    on_batch: called with BatchStats after every engine call; on_drop with each cancelled job dropped.
+  """
+
+  def __init__(self, model, *, max_batch: int = 16, window_s: float = 0.005, max_queue: int = 256,
+               on_batch: Callable[[BatchStats], None] | None = None,
+               on_drop: Callable[[Job], None] | None = None):
+    if max_batch < 1 or max_queue < 1 or window_s < 0:
+      raise ValueError(f"DynamicBatcher: max_batch={max_batch} and max_queue={max_queue} must be >= 1, "
+                       f"window_s={window_s} >= 0")
+    self.model = model
+    self.max_batch = max_batch
+    self.window_s = window_s
+    self.max_queue = max_queue
+    self._on_batch = on_batch or (lambda s: None)
+    self._on_drop = on_drop or (lambda j: None)
+    self._q: queue.Queue[Job] = queue.Queue()
+    self._pending: list[Job] = []  # taken off the queue, not yet run (another config, or no room)
+    self._depth = 0
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  # ------------------------------------------------------------------ client side (any thread)
+
+  @property
+  def depth(self) -> int:
+    """Requests waiting to run."""
+    return self._depth
+
+  def validate(self, prompt: Sequence[int], gcfg: GenerationConfig, n: int = 1) -> None:
+    """Raises ValueError (the engine's own message) for a request the engine would refuse."""
+    rows = n if gcfg.temperature > 0 else 1
+    if rows > self.max_batch:
+      raise ValueError(f"n={n}: a sampled request's choices run in one batch of at most max_batch="
+                       f"{self.max_batch} rows")
+    prepare(self.model.config, [list(prompt)], gcfg)
+
+  def submit(self, job: Job) -> Job:
+    with self._lock:
+      if self._depth >= self.max_queue:
+        raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+      self._depth += 1
+    self._q.put(job)
+    return job
+
+  # ------------------------------------------------------------------ worker
+
+  def start(self) -> "DynamicBatcher":
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._loop, name="dinfer-batcher", daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=10)
+
+  def warmup(self, gcfg: GenerationConfig, prompt_lengths: Sequence[int], *, token_id: int,
+             progress: Callable[[str], None] | None = None) -> int:
+    """Compiles the programs for every batch bucket x prompt length (one prompt per length bucket);
+    lengths the model cannot fit with gcfg.gen_length are skipped. Returns the number of programs run."""
+    done = 0
+    for P in prompt_lengths:
+      try:
+        prepare(self.model.config, [[token_id] * P], gcfg)
+      except ValueError:
+        continue
+      for b in batch_buckets(self.max_batch):
+        t = time.perf_counter()
+        generate(self.model, [[token_id] * P], gcfg, batch_bucket=b, on_block=_ignore)
+        done += 1
+        if progress:
+          progress(f"warm-up: prompt {P} tokens x batch {b}: {time.perf_counter() - t:.2f}s")
+    return done
+
+  def _loop(self) -> None:
+    while not self._stop.is_set():
+      batch = self._next_batch()
+      if batch:
+        self._run(batch)
+
+  def _take(self, job: Job) -> None:
+    with self._lock:
+      self._depth -= 1
+
+  def _next_batch(self) -> list[Job]:
+    if not self._pending:
+      try:
+        self._pending.append(self._q.get(timeout=0.1))
+      except queue.Empty:
+        return []
+    first = self._pending[0]
+    key = first.batch_key()
+    deadline = first.enqueued + self.window_s
+
+    def rows_ready():
+      return sum(j.rows for j in self._pending if j.batch_key() == key and not j.cancelled.is_set())
+
+    while rows_ready() < self.max_batch:
+      remaining = deadline - time.monotonic()
+      try:
+        self._pending.append(self._q.get(timeout=remaining) if remaining > 0 else self._q.get_nowait())
+      except queue.Empty:
+        break
+    chosen, rest, rows = [], [], 0
+    for j in self._pending:
+      if j.cancelled.is_set():  # the client went away or timed out before its turn
+        self._take(j)
+        self._on_drop(j)
+      elif j.batch_key() == key and rows + j.rows <= self.max_batch:
+        chosen.append(j)
+        rows += j.rows
+        self._take(j)
+      else:
+        rest.append(j)
+    self._pending = rest
+    return chosen
+
+  def _run(self, jobs: list[Job]) -> None:
+    gcfg = jobs[0].gcfg
+    prompts = [j.prompt for j in jobs for _ in range(j.rows)]
+    bucket = bucket_for(len(prompts), self.max_batch)
+    first_row = list(itertools.accumulate([0] + [j.rows for j in jobs]))
+
+    def on_block(_k, rows):
+      for j, r0 in zip(jobs, first_row):
+        if j.on_tokens is not None and not j.cancelled.is_set():
+          j.on_tokens(rows[r0:r0 + j.rows])
+
+    t = time.perf_counter()
+    try:
+      res: GenerationResult = generate(self.model, prompts, gcfg, seed=jobs[0].seed, batch_bucket=bucket,
+                                       on_block=on_block)
+    except Exception as e:  # a failed call fails its jobs, never the worker
+      for j in jobs:
+        j.on_done(e)
+      return
+    dt = time.perf_counter() - t
+    self._on_batch(BatchStats(rows=len(prompts), bucket=bucket, seconds=dt, nfe=res.nfe,
+                              tokens=sum(res.num_tokens), row_forwards=sum(res.row_nfe), jobs=len(jobs)))
+    r = itertools.count()
+    for j in jobs:
+      choices = []
+      for _ in range(j.rows):
+        i = next(r)
+        choices.append(Choice(tokens=res.tokens[i], gen_length=len(res.canvas[i]) - res.prompt_lengths[i],
+                              row_nfe=res.row_nfe[i]))
+      j.on_done(choices * j.n if j.rows == 1 else choices)

@@ -1,0 +1,87 @@
+"""`dinfer-jax serve [--model PATH] [--host 127.0.0.1] [--port N] [generation flags] [--max-batch N]
+[--batch-window-ms T]`: load, warm the compiled buckets, then serve the OpenAI-compatible API."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(subparsers) -> None:
+  from dinfer_jax import cli
+  s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching",
+                            description=__doc__)
+  s.add_argument("--model", default="default", help="model directory; default: the embedded model")
+  s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+  s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--served-model-name", default=None,
+                 help="the `model` clients must send (default: 'default' for the embedded model, else the "
+                      "directory's name)")
+  s.add_argument("--max-batch", type=int, default=16, help="most rows per engine call (default %(default)s)")
+  s.add_argument("--batch-window-ms", type=float, default=5.0,
+                 help="gather requests for this long after the oldest waiting one arrived (default %(default)s)")
+  s.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+  s.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (504 after it)")
+  s.add_argument("--warmup-max-prompt-len", type=int, default=256,
+                 help="compile every batch bucket for prompts up to this many tokens before serving "
+                      "(0: no warm-up; later buckets compile on first use)")
+  s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+  cli.add_generation_flags(s)
+  s.set_defaults(func=cmd_serve)
+
+
+def warmup_prompt_lengths(mcfg, gcfg, max_len: int) -> list[int]:
+  """One prompt length per prompt bucket up to max_len (and what the model can fit with gen_length)."""
+  top = min(max_len, mcfg.max_position - gcfg.gen_length)
+  pb = gcfg.prompt_bucket
+  return [min(c, top) for c in range(pb, top + pb, pb)] if top > 0 else []
+
+
+def model_name(model, given: str | None) -> str:
+  import pathlib
+
+  from dinfer_jax.api import DEFAULT_MODEL_DIR
+  if given:
+    return given
+  p = pathlib.Path(model.path)
+  return "default" if p.resolve() == DEFAULT_MODEL_DIR.resolve() else p.name
+
+
+def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flush=True)):
+  """Loads the model and builds (app, batcher); warms the buckets."""
+  import dinfer_jax
+  from dinfer_jax import cli
+  from dinfer_jax.serve.app import ServerConfig, create_app
+  from dinfer_jax.serve.batcher import DynamicBatcher
+  from dinfer_jax.serve.metrics import Metrics
+
+  model = dinfer_jax.load(args.model, dtype=args.dtype)
+  gcfg = cli.generation_config(args, model.path)
+  metrics = Metrics(args.max_batch)
+  batcher = DynamicBatcher(model, max_batch=args.max_batch, window_s=args.batch_window_ms / 1000,
+                           max_queue=args.max_queue, on_batch=metrics.batch, on_drop=metrics.drop)
+  metrics.queue_depth = lambda: batcher.depth
+  mask = gcfg.mask_id if gcfg.mask_id is not None else model.config.mask_token_id
+  t = time.perf_counter()
+  n = batcher.warmup(gcfg, warmup_prompt_lengths(model.config, gcfg, args.warmup_max_prompt_len),
+                     token_id=next(i for i in range(model.config.vocab_size) if i != mask))
+  log(f"dinfer-jax serve: warmed {n} compiled programs in {time.perf_counter() - t:.1f}s")
+  scfg = ServerConfig(model_name=model_name(model, args.served_model_name), gcfg=gcfg, timeout_s=args.timeout_s)
+  return create_app(model, batcher, metrics, scfg), batcher, scfg
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+  try:
+    import uvicorn
+  except ImportError:
+    raise SystemExit("error: dinfer-jax serve needs the serve extra: pip install 'dinfer-jax[serve]'") from None
+  app, batcher, scfg = build(args)
+  batcher.start()
+  print(f"dinfer-jax serve: model {scfg.model_name!r} on http://{args.host}:{args.port} "
+        f"(max batch {args.max_batch}, window {args.batch_window_ms:g} ms)", file=sys.stderr, flush=True)
+  try:
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+  finally:
+    batcher.stop()
+  return 0

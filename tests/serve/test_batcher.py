@@ -1,0 +1,131 @@
+"""The dynamic batcher without HTTP: batched rows equal single runs, bounded queue, cancelled jobs dropped,
+seeded sampling reproducible; the stop/stream text helpers."""
+import threading
+
+import pytest
+
+import dinfer_jax
+from dinfer_jax import cli
+from dinfer_jax.serve.batcher import DynamicBatcher, Job, QueueFull, batch_buckets, bucket_for
+from dinfer_jax.answer import cut_at_stop, settled_prefix
+
+QUESTIONS = ["What is 348+279?", "12 x 13", "f(0..5)=2,5,8,11,14,17", "905-417", "61*7", "f(0..5)=1,3,5,7,9,11"]
+
+
+def _collect(batcher, jobs_args, gcfg):
+  out, done = {}, threading.Event()
+
+  def cb(i):
+    def f(r):
+      out[i] = r
+      if len(out) == len(jobs_args):
+        done.set()
+    return f
+
+  jobs = [batcher.submit(Job(prompt=p, gcfg=g or gcfg, on_done=cb(i), n=n, seed=s))
+          for i, (p, g, n, s) in enumerate(jobs_args)]
+  return jobs, out, done
+
+
+def test_buckets():
+  assert batch_buckets(1) == [1]
+  assert batch_buckets(6) == [1, 2, 4, 6]
+  assert batch_buckets(8) == [1, 2, 4, 8]
+  assert [bucket_for(r, 6) for r in (1, 2, 3, 5, 6)] == [1, 2, 4, 6, 6]
+
+
+def test_batched_rows_equal_single_runs(default_model, default_gcfg):
+  """Mixed prompt lengths (two prompt buckets) submitted together run in shared calls, padded to a batch
+  bucket with invalid rows; every answer equals running its prompt alone."""
+  ids = cli.encode_prompts(default_model, QUESTIONS)
+  assert len({len(p) for p in ids}) > 1
+  alone = [dinfer_jax.generate(default_model, [p], default_gcfg).tokens[0] for p in ids]
+  calls = []
+  b = DynamicBatcher(default_model, max_batch=4, window_s=0.2, on_batch=calls.append)
+  _, out, done = _collect(b, [(p, None, 1, 0) for p in ids], default_gcfg)
+  b.start()
+  try:
+    assert done.wait(120)
+  finally:
+    b.stop()
+  assert [out[i][0].tokens for i in range(len(ids))] == alone
+  assert sum(c.rows for c in calls) == len(ids) and len(calls) < len(ids)
+  assert all(c.bucket in (1, 2, 4) and c.bucket >= c.rows for c in calls)
+
+
+def test_streaming_jobs_get_tokens_block_by_block(default_model, default_gcfg):
+  ids = cli.encode_prompts(default_model, [QUESTIONS[2], QUESTIONS[0]])
+  got, done = [], threading.Event()
+  b = DynamicBatcher(default_model, max_batch=2, window_s=0.2)
+  final = {}
+  b.submit(Job(prompt=ids[0], gcfg=default_gcfg, on_done=lambda r: (final.setdefault(0, r), done.set()),
+               on_tokens=got.append))
+  b.submit(Job(prompt=ids[1], gcfg=default_gcfg, on_done=lambda r: None))  # a plain job in the same batch
+  b.start()
+  try:
+    assert done.wait(120)
+  finally:
+    b.stop()
+  assert [len(rows) for rows in got] == [1, 1] and got[-1][0] == final[0][0].tokens
+  assert len(got[0][0]) < len(got[1][0])  # block 0, then blocks 0-1
+
+
+def test_queue_bound_and_cancelled_jobs_are_dropped(default_model, default_gcfg):
+  ids = cli.encode_prompts(default_model, QUESTIONS[:3])
+  dropped = []
+  b = DynamicBatcher(default_model, max_batch=4, window_s=0.0, max_queue=2, on_drop=dropped.append)
+  jobs, out, _ = _collect(b, [(ids[0], None, 1, 0), (ids[1], None, 1, 0)], default_gcfg)
+  with pytest.raises(QueueFull, match="queue is full"):
+    b.submit(Job(prompt=ids[2], gcfg=default_gcfg, on_done=lambda r: None))
+  assert b.depth == 2
+  jobs[0].cancel()  # its client went away before the worker started
+  b.start()
+  try:
+    for _ in range(200):
+      if 1 in out:
+        break
+      threading.Event().wait(0.05)
+  finally:
+    b.stop()
+  assert 0 not in out and dropped == [jobs[0]]
+  assert out[1][0].tokens == dinfer_jax.generate(default_model, [ids[1]], default_gcfg).tokens[0]
+  assert b.depth == 0
+
+
+@pytest.mark.slow  # compiles/indexes more than the default suite can afford
+def test_seeded_sampling_runs_alone_and_reproduces(default_model, default_gcfg):
+  """A sampled request's n choices are rows 0..n-1 of one call with its seed, whatever else is queued."""
+  g = default_gcfg.replace(temperature=1.0)
+  ids = cli.encode_prompts(default_model, QUESTIONS[:2])
+  ref = dinfer_jax.generate(default_model, [ids[0]] * 3, g, seed=7).tokens
+  b = DynamicBatcher(default_model, max_batch=4, window_s=0.2)
+  _, out, done = _collect(b, [(ids[1], None, 1, 0), (ids[0], g, 3, 7), (ids[1], g, 1, 3)], default_gcfg)
+  b.start()
+  try:
+    assert done.wait(120)
+  finally:
+    b.stop()
+  assert [c.tokens for c in out[1]] == ref
+
+
+def test_validate_uses_the_engine_checks(default_model, default_gcfg):
+  b = DynamicBatcher(default_model, max_batch=2)
+  with pytest.raises(ValueError, match="max_position"):
+    b.validate([5] * 80, default_gcfg)
+  with pytest.raises(ValueError, match="n=3"):
+    b.validate([5, 6], default_gcfg.replace(temperature=0.5), n=3)
+  b.validate([5, 6], default_gcfg, n=3)  # greedy choices share one row
+
+
+def test_cut_at_stop():
+  assert cut_at_stop("x*3+2", ["+", "*"]) == ("x", True)
+  assert cut_at_stop("627", ["9"]) == ("627", False)
+  assert cut_at_stop("abc", None) == ("abc", False)
+
+
+def test_settled_prefix_holds_back_what_later_tokens_may_change():
+  assert settled_prefix("x*3+2", None) == "x*3+2"
+  assert settled_prefix("x*3+2", ["+"]) == "x*3"  # a stop found: nothing after it
+  assert settled_prefix("x*3+", ["+2"]) == "x*3"  # "+" may start "+2"
+  assert settled_prefix("xcab", ["ab", "cabXY"]) == "x"  # "cab" may start the earlier "cabXY"
+  assert settled_prefix("ab\ufffd", None) == "ab"  # half a multi-byte character

@@ -1,0 +1,121 @@
+"""What users reach for first: --version, choices and the model's defaults in the help, prompts from a file
+or stdin (lines or JSONL, chats with a system prompt), batching, --json, --max-new-tokens, --stop, a
+warning for characters the tokenizer does not know, quiet transformers, convert/train subcommands."""
+import io
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import dinfer_jax
+from dinfer_jax import cli
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+QS = ["What is 348+279?", "f(0..5)=2,5,8,11,14,17", "12 x 13", "905-417", "61*7"]
+
+
+@pytest.fixture(scope="module")
+def model(default_model):
+  return default_model
+
+
+@pytest.fixture(scope="module")
+def gcfg(default_gcfg):
+  return default_gcfg
+
+
+def _alone(model, gcfg, msgs_or_text, system=None):
+  ids = cli.encode_prompts(model, [msgs_or_text], system=system)[0]
+  return model.tokenizer.decode(dinfer_jax.generate(model, [ids], gcfg).tokens[0], skip_special_tokens=True)
+
+
+def _json_lines(out):
+  return [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+
+
+def test_version(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--version"])
+  assert e.value.code == 0 and capsys.readouterr().out.strip() == f"dinfer-jax {dinfer_jax.__version__}"
+
+
+def test_help_lists_choices_and_the_models_defaults(capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["generate", "--help"])
+  out = " ".join(capsys.readouterr().out.split())
+  assert "--decoder {threshold,hierarchy,credit,fixed_steps,fastdllm}" in out and "--cache {none,prefix,dual}" in out
+  assert "default 8 (the model's generation_config.json; dataclass 128)" in out  # the embedded model's
+  with pytest.raises(SystemExit):
+    cli.main(["generate", "--model", str(GOLDEN / "decode" / "A"), "--help"])
+  out = " ".join(capsys.readouterr().out.split())
+  assert "--gen-length GEN_LENGTH default 128 " in out  # that model ships no generation_config.json
+
+
+def test_prompts_from_a_file_stdin_and_jsonl_batched(model, gcfg, tmp_path, capsys, monkeypatch):
+  lines = tmp_path / "p.txt"
+  lines.write_text("\n".join(QS) + "\n\n")
+  assert cli.main(["generate", "-f", str(lines), "--json", "--batch-size", "2"]) == 0
+  out = capsys.readouterr()
+  assert "5/5" in out.err  # a progress bar: more than one batch
+  rows = _json_lines(out.out)
+  assert [r["prompt"] for r in rows] == QS
+  assert [r["answer"] for r in rows] == [_alone(model, gcfg, q) for q in QS]
+  assert all(r["nfe"] > 0 and r["tpf"] == pytest.approx(r["tokens"] / r["nfe"]) for r in rows)
+  # JSONL: a chat with a system prompt, a {"prompt"} line and a JSON string; read from stdin.
+  chat = [{"role": "system", "content": "You add."}, {"role": "user", "content": "348+279"}]
+  jl = "\n".join([json.dumps({"messages": chat}), json.dumps({"prompt": "61*7"}), json.dumps("905-417")])
+  monkeypatch.setattr(sys, "stdin", io.StringIO(jl))
+  assert cli.main(["generate", "-", "--json", "--batch-size", "2", "--no-progress"]) == 0
+  rows = _json_lines(capsys.readouterr().out)
+  assert [r["answer"] for r in rows] == [_alone(model, gcfg, chat), _alone(model, gcfg, "61*7"),
+                                         _alone(model, gcfg, "905-417")]
+  # --system wraps text prompts.
+  assert cli.main(["generate", "--system", "You add.", "--json", "348+279"]) == 0
+  assert _json_lines(capsys.readouterr().out)[0]["answer"] == _alone(model, gcfg, "348+279", system="You add.")
+
+
+def test_max_new_tokens_and_stop(model, gcfg, capsys):
+  full = _alone(model, gcfg, QS[1])
+  assert full == "x*3+2"
+  assert cli.main(["generate", "--json", "--max-new-tokens", "2", QS[1]]) == 0
+  r = _json_lines(capsys.readouterr().out)[0]
+  assert r["tokens"] == 2 and r["answer"] == "x*"
+  assert cli.main(["generate", "--stop", "+", "--stop", "3", QS[1]]) == 0
+  assert capsys.readouterr().out.strip() == "x*"
+
+
+def test_bad_prompt_sources_are_one_line_errors(tmp_path, capsys, monkeypatch):
+  assert cli.main(["generate", "-f", str(tmp_path / "missing.txt")]) == 2
+  assert "missing.txt" in capsys.readouterr().err
+  monkeypatch.setattr(sys, "stdin", io.StringIO('{"prompt": "1+1"}\n{"messages": 3}\n'))
+  assert cli.main(["generate", "-"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: <stdin>:2:") and len(err.splitlines()) == 1
+  assert cli.main(["generate"]) == 2
+  assert "no prompts" in capsys.readouterr().err
+
+
+def test_unknown_characters_are_a_warning(capsys):
+  assert cli.main(["generate", "3€+4"]) == 0
+  err = capsys.readouterr().err
+  assert "warning: prompt 0: '€' not in the tokenizer's vocabulary" in err
+
+
+@pytest.mark.slow  # compiles/indexes more than the default suite can afford
+def test_transformers_noise_is_silenced():
+  r = subprocess.run([sys.executable, "-m", "dinfer_jax.cli", "generate", "What is 348+279?"], capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.strip() == "627"
+  assert "PyTorch was not found" not in r.stderr and "to instantiate a model of type" not in r.stderr
+
+
+def test_convert_and_train_subcommands(capsys):
+  assert cli.main(["convert", "inspect", str(GOLDEN / "forward" / "tiny_llada_moe")]) == 0
+  assert "tensors" in capsys.readouterr().out
+  assert cli.main(["train", "eval", "--task", "arithmetic", "--n", "4", "--json"]) == 0
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 4
+  with pytest.raises(SystemExit) as e:
+    cli.main(["train", "--help"])
+  assert e.value.code == 0 and "{train,export,eval}" in capsys.readouterr().out
