@@ -17,7 +17,7 @@ def tok():
 @pytest.fixture(scope="module")
 def task_texts():
   texts = []
-  for name in ("arithmetic", "program"):
+  for name in ("arithmetic", "program", "sort"):
     for p in tasks.train_problems(name, 1000, seed=0) + tasks.test_problems(name, 100):
       texts += [p.prompt, p.answer, T.format_chat(p.prompt, p.answer)]
   return texts
@@ -99,6 +99,13 @@ QUESTIONS = [
     ("-4+5", "-4+5"),
     ("f(0..5)=2,5,8,11,14,17", "f(0..5)=2,5,8,11,14,17"),
     ("  f(0)=0;f(3)=9  ", "f(0)=0;f(3)=9"),
+    ("sort 42, 7 93", "sort:42,07,93"),
+    ("Sort: 5,3,1.", "sort:05,03,01"),
+    ("SORT\t9\n10,,11", "sort:09,10,11"),
+    ("sort:07,42", "sort:07,42"),
+    ("sort 100, 2", "sort 100, 2"),  # too wide for the columns: left as typed
+    ("sort the numbers 3 1", "sort the numbers 3 1"),
+    ("sort", "sort"),
 ]
 
 
@@ -110,7 +117,7 @@ def test_format_prompt(question, prompt):
 
 
 def test_format_prompt_is_identity_on_task_prompts():
-  for name in ("arithmetic", "program"):
+  for name in ("arithmetic", "program", "sort"):
     for p in tasks.train_problems(name, 500, seed=1):
       assert T.format_prompt(p.prompt) == p.prompt
 
@@ -127,8 +134,10 @@ def test_chat_template_matches_format_chat(tmp_path):
                   False) == T.format_chat(question, "42")
   # Both implementations agree on arbitrary mixtures of the pieces they rewrite.
   pieces = list("0123456789+-*x =?!.\n\t") + ["what is ", "What's ", "plus", "minus", "times", " X ",
-                                              "f(", "\u00d7", "multiplied by", "\u00e9", "How much is"]
+                                              "f(", "\u00d7", "multiplied by", "\u00e9", "How much is",
+                                              ",", ":", "123"]
   rng = random.Random(0)
-  for _ in range(400):
+  for k in range(600):
     q = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
+    q = rng.choice(["sort ", "Sort:", "sort"]) + q if k % 2 else q
     assert render([{"role": "user", "content": q}], True) == T.format_chat(q), repr(q)
