@@ -31,23 +31,45 @@ def add_generation_flags(ap: argparse.ArgumentParser) -> None:
                      help=f"default {f.default!r}")
 
 
-def model_generation_defaults(model_path: str | None) -> dict[str, Any]:
-  """GenerationConfig knobs a model directory recommends (generation_config.json, dinfer-jax keys only)."""
+# generation_config.json may hold per-prompt overrides: "prompt_rules": [{"prefix": TEXT, knob: value, ...}].
+# The first rule whose prefix starts the prompt (as the model sees it: chat template applied, special tokens
+# written out) overrides the file's defaults, e.g. a longer gen_length for a task whose answers are long, so
+# that a long question is never cut off at the short default.
+PROMPT_RULES = "prompt_rules"
+
+
+def _read_generation_file(model_path: str | None) -> dict[str, Any]:
   import json
   import pathlib
   if not model_path:
     return {}
   f = pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE
-  if not f.exists():
-    return {}
-  data = json.loads(f.read_text())
+  return json.loads(f.read_text()) if f.exists() else {}
+
+
+def _known_knobs(data: dict[str, Any]) -> dict[str, Any]:
   known = {fl.name for fl in dataclasses.fields(GenerationConfig)}
   return {k: v for k, v in data.items() if k in known}
 
 
-def generation_config(args: argparse.Namespace, model_path: str | None = None) -> GenerationConfig:
-  """Dataclass defaults < the model's generation_config.json < flags given on the command line."""
-  knobs = model_generation_defaults(model_path)
+def model_generation_defaults(model_path: str | None, prompt_text: str | None = None) -> dict[str, Any]:
+  """GenerationConfig knobs a model directory recommends (generation_config.json, dinfer-jax keys only),
+  with the first matching prompt rule applied when `prompt_text` is given."""
+  data = _read_generation_file(model_path)
+  knobs = _known_knobs(data)
+  if prompt_text is not None:
+    for rule in data.get(PROMPT_RULES, []):
+      if prompt_text.startswith(rule.get("prefix", "")):
+        knobs.update(_known_knobs(rule))
+        break
+  return knobs
+
+
+def generation_config(args: argparse.Namespace, model_path: str | None = None,
+                      prompt_text: str | None = None) -> GenerationConfig:
+  """Dataclass defaults < the model's generation_config.json (< its rule for `prompt_text`) < flags given
+  on the command line."""
+  knobs = model_generation_defaults(model_path, prompt_text)
   knobs.update({f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)})
   return GenerationConfig(**knobs)
 
@@ -111,22 +133,31 @@ def _piece(model, t: int) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
   import dinfer_jax
   model = dinfer_jax.load(args.model, dtype=args.dtype)
-  gcfg = generation_config(args, model.path)
   ids = encode_prompts(model, args.prompts, raw=args.raw)
+  # Prompts whose generation settings differ (a prompt rule of the model) run as separate batches.
+  groups: dict[GenerationConfig, list[int]] = {}
+  for r, row in enumerate(ids):
+    text = model.tokenizer.decode(row) if model.tokenizer is not None else None
+    groups.setdefault(generation_config(args, model.path, text), []).append(r)
   t = time.perf_counter()
-  res = dinfer_jax.generate(model, ids, gcfg, seed=args.seed)
+  results, nfe, n_tok = {}, 0, 0
+  for gcfg, rows in groups.items():
+    res = dinfer_jax.generate(model, [ids[r] for r in rows], gcfg, seed=args.seed)
+    nfe, n_tok = nfe + res.nfe, n_tok + sum(res.num_tokens)
+    results.update({r: (res, i) for i, r in enumerate(rows)})
   dt = time.perf_counter() - t
   for r, prompt in enumerate(args.prompts):
+    res, i = results[r]
     if len(args.prompts) > 1:
       print(f"### {prompt}")
     if args.show_steps:
-      for line in render_steps(model, res.canvas[r], res.commit_step[r], res.prompt_lengths[r], res.row_nfe[r]):
+      for line in render_steps(model, res.canvas[i], res.commit_step[i], res.prompt_lengths[i], res.row_nfe[i]):
         print(line)
     # One answer per line: surrounding whitespace (e.g. the default model's column padding, " 627") would
     # only blur where an answer starts; --show-steps prints the raw canvas.
-    print(decode_tokens(model, res.tokens[r]).strip())
+    print(decode_tokens(model, res.tokens[i]).strip())
   if args.verbose:
-    print(f"[{sum(res.num_tokens)} tokens, nfe {res.nfe}, {dt:.2f}s incl. compile]", file=sys.stderr)
+    print(f"[{n_tok} tokens, nfe {nfe}, {dt:.2f}s incl. compile]", file=sys.stderr)
   return 0
 
 

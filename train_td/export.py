@@ -24,8 +24,12 @@ DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "dinfer_jax" / "a
 # GenerationConfig knobs the shipped model is meant to be decoded with. gen_length is the training answer
 # region (TrainConfig.answer_len, 8; export_run follows a run's own): the model has only learned to fill that
 # many positions. Two blocks of 4, so generation is block-wise and the dual cache has a suffix.
+# Sort answers are up to 47 characters + <|eos|> (the task's answer region, data.DEFAULT_TASK_ANSWER_LEN):
+# a prompt rule (dinfer_jax.cli.PROMPT_RULES) gives sort prompts six blocks of 8, so a user's long list is
+# never cut off at the short default.
 DEFAULT_GENERATION = {"gen_length": 8, "block_length": 4, "decoder": "threshold", "threshold": 0.9,
-                      "cache": "dual", "prompt_bucket": 16}
+                      "cache": "dual", "prompt_bucket": 16,
+                      "prompt_rules": [{"prefix": "<|user|>sort:", "gen_length": 48, "block_length": 8}]}
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
