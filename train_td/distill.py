@@ -3,7 +3,8 @@
   python -m train_td distill --base default --out dinfer_jax/assets/default-td --work /work/runs/td \
       [--tasks arithmetic,program,sort] [--n arithmetic=20000,...] [--steps 1500 ...]
 
-Every stage resumes: collect skips finished shards, the run resumes from its last checkpoint, export
+Every stage resumes: collect skips finished shards (under jax.distributed each process collects its share;
+the training and export stages are single-process), the run resumes from its last checkpoint, export
 rewrites the output. Trajectories are decoded with the base model's own generation settings
 (generation_config.json and its prompt rules), the setting the TD model is then evaluated at; the export
 ships the same generation_config.json, so base and TD decode identically unless told otherwise.
@@ -33,6 +34,7 @@ def parse_counts(spec: str, tasks: list[str]) -> dict[str, int]:
 
 def main(args) -> int:
   import dataclasses
+  import jax
   import dinfer_jax
   from dinfer_jax.cli import _read_generation_file, generation_config
   from train_td import collect, export, tasks as tasks_lib, td_train
@@ -52,8 +54,9 @@ def main(args) -> int:
                                generation=tuple(sorted(dataclasses.asdict(gcfg).items())))
     d = work / "data" / t
     ts = time.time()
-    stages[f"collect_{t}"] = dict(collect.collect(base, cc, d, progress=not args.no_progress),
-                                  seconds=round(time.time() - ts, 1))
+    got = collect.collect(base, cc, d, progress=not args.no_progress, process_index=jax.process_index(),
+                          process_count=jax.process_count())
+    stages[f"collect_{t}"] = dict(got, seconds=round(time.time() - ts, 1))
     dirs.append(str(d))
   tdc = td_train.TDConfig(data=",".join(dirs), base=args.base, mdm_weight=args.mdm_weight, cf_weight=args.cf_weight)
   ts = time.time()

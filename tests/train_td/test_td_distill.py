@@ -1,5 +1,6 @@
 """Trajectory distillation: the TD loss by hand, trajectory states against the engine, collect (resume,
 determinism, training prompts only, process split), TD training (base init, kill -9 + resume), default-td."""
+import dataclasses
 import itertools
 import json
 import os
@@ -313,3 +314,27 @@ def test_prompt_rules_pick_the_long_settings_for_long_tasks(tmp_path):
                                tok_lib.format_chat("sort 1 2")).gen_length == 16
   # Every sort answer fits the rule's region with its <|eos|>.
   assert tasks_lib.get_task("sort").answer_chars + 1 <= long.gen_length
+
+
+def test_eval_compares_models_at_the_first_models_settings(tmp_path, capsys):
+  from train_td import __main__ as td_main
+  tc = trainer.TrainConfig(**TINY, max_position=128)  # a sort row is up to 54 + 48 positions
+  dirs = []
+  for seed in (0, 1):
+    params, _ = trainer.init_state(dataclasses.replace(tc, seed=seed))
+    d = tmp_path / f"m{seed}"
+    gen = dict(export_lib.DEFAULT_GENERATION, threshold=0.7) if seed == 0 else {"gen_length": 4, "block_length": 2}
+    export_lib.export_params(params, tc.model_config(), d, generation_config=gen)
+    dirs.append(str(d))
+  rc = td_main.main(["eval", "--model", ",".join(dirs), "--task", "arithmetic,sort", "--n", "3", "--batch", "3",
+                     "--json"])
+  assert rc == 0
+  out = capsys.readouterr().out.strip().splitlines()
+  res = json.loads(out[-1])
+  assert [(r["task"], r["model"]) for r in res] == [("arithmetic", dirs[0]), ("arithmetic", dirs[1]),
+                                                     ("sort", dirs[0]), ("sort", dirs[1])]
+  for r in res:  # both models decode with the first one's file and its rule for sort
+    g = r["generation_config"]
+    assert g["threshold"] == 0.7 and (g["gen_length"], g["block_length"]) == (
+        (48, 8) if r["task"] == "sort" else (8, 4))
+  assert any(line.startswith("| sort | ") for line in out)
