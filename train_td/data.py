@@ -27,7 +27,7 @@ DEFAULT_MIX = (("arithmetic", 0.65), ("program", 0.35))
 DEFAULT_ARITHMETIC_OP_WEIGHTS = (1.0, 1.0, 2.0)
 DEFAULT_PROMPT_WIDTH = {"arithmetic": 10, "program": 34, "sort": 54}
 # Answer regions of the long-answer tasks (the others use DataConfig.answer_len): a sort answer is at most
-# 47 characters (16 two-digit numbers) plus <|eos|>, i.e. six blocks of 8 at generation time.
+# 47 characters (24 digits and their commas) plus <|eos|>, i.e. six blocks of 8 at generation time.
 DEFAULT_TASK_ANSWER_LEN = {"sort": 48}
 
 _VOCAB = None

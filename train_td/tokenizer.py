@@ -46,9 +46,9 @@ _OPERATORS = ("+", "-", "*")
 # Program-synthesis prompts ("f(0..5)=5,8,...") contain this and pass through unchanged (but stripped).
 PROGRAM_MARKER = "f("
 # Sorting prompts start with this word; numbers separated by commas and/or whitespace are rewritten as the
-# task writes them: "sort 42, 7 93" -> "sort:42,07,93" (SortTask.digits wide, zero padded).
+# task writes them: "sort 4, 0 9" -> "sort:4,0,9" (SortTask.digits wide, zero padded).
 SORT_WORD = "sort"
-SORT_DIGITS = 2
+SORT_DIGITS = 1
 
 
 def format_prompt(question: str) -> str:
@@ -86,7 +86,7 @@ def format_prompt(question: str) -> str:
 
 
 def _format_sort(q: str) -> str:
-  """"Sort: 42, 7 93." -> "sort:42,07,93"; text that is not a list of small numbers is left as it is."""
+  """"Sort: 4, 0 9." -> "sort:4,0,9"; text that is not a list of small numbers is left as it is."""
   body = q[len(SORT_WORD):].lstrip(":").rstrip(".")
   for w in _WHITESPACE:
     body = body.replace(w, ",")

@@ -305,7 +305,7 @@ def test_prompt_rules_pick_the_long_settings_for_long_tasks(tmp_path):
   from train_td import tokenizer as tok_lib
   args = argparse.Namespace()
   short = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 3 + 4?"))
-  long = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("sort 42, 7, 93"))
+  long = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("sort 4, 7, 9"))
   assert (short.gen_length, short.block_length) == (8, 4)
   assert (long.gen_length, long.block_length) == (data_lib.DEFAULT_TASK_ANSWER_LEN["sort"], 8)
   assert long.cache == "dual" and long.threshold == 0.9  # the rest from the file's defaults

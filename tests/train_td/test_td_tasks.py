@@ -222,16 +222,23 @@ def test_sort_problems_and_verifier():
   for p in tasks.train_problems(SORT, 500, seed=0) + tasks.test_problems(SORT, 100):
     assert p.prompt.startswith("sort:")
     values = p.prompt[len("sort:"):].split(",")
-    assert all(len(v) == 2 and v.isdigit() for v in values)  # columns: every number 2 characters wide
-    assert p.answer == ",".join(sorted(values))  # zero-padded strings sort like their integers
+    assert all(len(v) == 1 and v.isdigit() for v in values)  # columns: every number 1 character wide
+    assert p.answer == ",".join(sorted(values))
     assert p.split_keys == (f"sorted:{p.answer}",)
     assert 23 <= len(p.answer) <= 47 == SORT.answer_chars and len(p.prompt) <= SORT.prompt_chars
     seen_lengths.add(len(values))
     assert SORT.check(p, p.answer) and SORT.check(p, f" {p.answer} ")
-    # Unpadded numbers are the same answer; a permutation that is not sorted, a dropped or changed
-    # number, or any other text is not.
-    assert SORT.check(p, ",".join(str(int(v)) for v in sorted(values)))
-  assert seen_lengths == set(range(8, 17))
+    assert SORT.check(p, ",".join("0" + v for v in sorted(values)))  # zero padding is the same answer
+  assert seen_lengths == set(range(12, 25))
+  # The two-digit variant: zero-padded columns, which sort as strings like their integers.
+  two = tasks.SortTask(digits=2, min_len=8, max_len=16)
+  assert two.answer_chars == 47
+  for p in tasks.train_problems(two, 200, seed=0):
+    values = p.prompt[len("sort:"):].split(",")
+    assert all(len(v) == 2 for v in values) and p.answer == ",".join(sorted(values))
+    assert [int(v) for v in p.answer.split(",")] == sorted(int(v) for v in values)
+    assert two.check(p, ",".join(str(int(v)) for v in sorted(values)))
+  # A permutation that is not sorted, a dropped, extra or changed number, or any other text is wrong.
   p = tasks.Problem(task="sort", prompt="sort:42,07,93,07", answer="07,07,42,93", split_keys=("k",))
   for wrong in ["07,42,07,93", "07,42,93", "07,07,42,93,93", "07,07,42,94", "07 07 42 93", "7,7,42,93,",
                 "", "07,07,42,-93", "0" * 300, None]:

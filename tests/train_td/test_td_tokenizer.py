@@ -99,11 +99,11 @@ QUESTIONS = [
     ("-4+5", "-4+5"),
     ("f(0..5)=2,5,8,11,14,17", "f(0..5)=2,5,8,11,14,17"),
     ("  f(0)=0;f(3)=9  ", "f(0)=0;f(3)=9"),
-    ("sort 42, 7 93", "sort:42,07,93"),
-    ("Sort: 5,3,1.", "sort:05,03,01"),
-    ("SORT\t9\n10,,11", "sort:09,10,11"),
-    ("sort:07,42", "sort:07,42"),
-    ("sort 100, 2", "sort 100, 2"),  # too wide for the columns: left as typed
+    ("sort 4, 0 9", "sort:4,0,9"),
+    ("Sort: 5,3,1.", "sort:5,3,1"),
+    ("SORT\t9\n1,,1", "sort:9,1,1"),
+    ("sort:7,4", "sort:7,4"),
+    ("sort 10, 2", "sort 10, 2"),  # too wide for the columns: left as typed
     ("sort the numbers 3 1", "sort the numbers 3 1"),
     ("sort", "sort"),
 ]
@@ -114,6 +114,10 @@ def test_format_prompt(question, prompt):
   assert T.format_prompt(question) == prompt
   assert T.format_chat(question) == f"<|user|>{prompt}<|assistant|>"
   assert T.format_chat(question, "7") == f"<|user|>{prompt}<|assistant|>7<|eos|>"
+
+
+def test_sort_columns_match_the_task():
+  assert T.SORT_DIGITS == tasks.get_task("sort").digits
 
 
 def test_format_prompt_is_identity_on_task_prompts():

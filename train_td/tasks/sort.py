@@ -1,14 +1,17 @@
-"""Sorting a list of numbers: "sort:42,07,93,07,15,60,02,88" -> "02,07,07,15,42,60,88,93".
+"""Sorting a list of digits: "sort:4,0,9,1,0,1,2,7,0,9,0,1" -> "0,0,0,0,1,1,1,2,4,7,9,9".
 
-The long-answer task: 8..16 two-digit numbers give answers of 23..47 characters, decoded in several blocks,
-which is where parallel decoding (and trajectory distillation) has room to act; the arithmetic and program
-answers fit in one or two blocks of 4.
+The long-answer task: 12..24 numbers give answers of 23..47 characters, decoded in several blocks, which is
+where parallel decoding (and trajectory distillation) has room to act; the arithmetic and program answers
+fit in one or two blocks of 4.
 
-Format: numbers in columns, every one written with `digits` characters (zero padded, "07"), separated by
-commas, so the k-th number of the answer always sits at characters 3k..3k+1 whatever the values: a model of
-a few million parameters then only has to learn *which* number goes to slot k (its rank), not where slot k
-is. The chat template and `format_prompt` write a user's "sort 42, 7, 93" that way; the verifier parses the
-answer's integers, so "2,7,7,15" and "02,07,07,15" are both right.
+Format: numbers in columns, every one written with `digits` characters (zero padded), separated by commas,
+so the k-th number of the answer always sits at characters (digits+1)k.. whatever the values. The default is
+one digit: a short trial of the shipped architecture (300 steps of 32 lists, same settings) reached a
+masked-token accuracy of 0.94 on 12-24 single digits against 0.69 on 8-16 two-digit numbers (whose
+answers are as long): sorting digits is counting, which a 4-layer model picks up much sooner than ranking
+two-digit numbers. `SortTask(digits=2, min_len=8, max_len=16)` is the harder variant with the same answer
+length. The chat template and `format_prompt` write a user's "sort 4, 0 9" as "sort:4,0,9"; the verifier
+parses the answer's integers, so padding does not matter.
 
 Split: one key, the sorted list (the multiset), so a held-out list is never trained on in any order.
 """
@@ -37,12 +40,12 @@ class SortTask(Task):
     digits: Width every number is written with (values are uniform in [0, 10**digits)).
   """
   name: ClassVar[str] = "sort"
-  # ~10^30 distinct lists: 5% held out is plenty.
+  # ~10^8 distinct multisets at the defaults: 5% held out is plenty.
   test_fraction: ClassVar[float] = 0.05
 
-  min_len: int = 8
-  max_len: int = 16
-  digits: int = 2
+  min_len: int = 12
+  max_len: int = 24
+  digits: int = 1
 
   def __post_init__(self):
     if not isinstance(self.digits, int) or isinstance(self.digits, bool) or not 1 <= self.digits <= 4:
