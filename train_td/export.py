@@ -24,12 +24,12 @@ DEFAULT_OUT = pathlib.Path(__file__).resolve().parent.parent / "dinfer_jax" / "a
 # GenerationConfig knobs the shipped model is meant to be decoded with. gen_length is the training answer
 # region (TrainConfig.answer_len, 8; export_run follows a run's own): the model has only learned to fill that
 # many positions. Two blocks of 4, so generation is block-wise and the dual cache has a suffix.
-# Sort answers are up to 47 characters + <|eos|> (the task's answer region, data.DEFAULT_TASK_ANSWER_LEN):
-# a prompt rule (dinfer_jax.cli.PROMPT_RULES) gives sort prompts six blocks of 8, so a user's long list is
-# never cut off at the short default.
 DEFAULT_GENERATION = {"gen_length": 8, "block_length": 4, "decoder": "threshold", "threshold": 0.9,
-                      "cache": "dual", "prompt_bucket": 16,
-                      "prompt_rules": [{"prefix": "<|user|>sort:", "gen_length": 48, "block_length": 8}]}
+                      "cache": "dual", "prompt_bucket": 16}
+# Prompt rules (dinfer_jax.cli.PROMPT_RULES) of the long-answer tasks, written for a run that trained them:
+# sort answers are up to 47 characters + <|eos|> (the task's answer region, data.DEFAULT_TASK_ANSWER_LEN),
+# six blocks of 8, so a user's long list is never cut off at the short default.
+TASK_PROMPT_RULES = {"sort": {"prefix": "<|user|>sort:", "gen_length": 48, "block_length": 8}}
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
@@ -88,14 +88,26 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
           "files": sorted(p.name for p in out.iterdir())}
 
 
+def run_generation_config(tc) -> dict[str, Any]:
+  """generation_config.json for a trained run: the defaults with gen_length = the run's answer region, and
+  a prompt rule for each long-answer task of its mix."""
+  gen = dict(DEFAULT_GENERATION)
+  if tc.answer_len != DEFAULT_GENERATION["gen_length"]:
+    gen.update(gen_length=tc.answer_len,
+               block_length=tc.answer_len // 2 if tc.answer_len % 2 == 0 else tc.answer_len)
+  rules = [TASK_PROMPT_RULES[name] for name, w in tc.mix if w > 0 and name in TASK_PROMPT_RULES]
+  if rules:
+    gen["prompt_rules"] = rules
+  return gen
+
+
 def export_run(run_dir: os.PathLike, out: os.PathLike | None = None, *, step: int | None = None,
                dtype: str = "float32", generation_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Exports a run's checkpoint (latest unless `step`) to `out` (default dinfer_jax/assets/default)."""
   from train_td import trainer
   tc = trainer.load_train_config(run_dir)
-  if generation_config is None and tc.answer_len != DEFAULT_GENERATION["gen_length"]:
-    generation_config = dict(DEFAULT_GENERATION, gen_length=tc.answer_len,
-                             block_length=tc.answer_len // 2 if tc.answer_len % 2 == 0 else tc.answer_len)
+  if generation_config is None:
+    generation_config = run_generation_config(tc)
   params, _, s = trainer.restore(run_dir, tc, step)
   res = export_params(params, tc.model_config(), out or DEFAULT_OUT, dtype=dtype,
                       generation_config=generation_config)

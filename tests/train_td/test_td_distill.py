@@ -301,7 +301,12 @@ def test_default_td_resolves_like_default_once_installed(tmp_path, monkeypatch, 
 def test_prompt_rules_pick_the_long_settings_for_long_tasks(tmp_path):
   import argparse
   from dinfer_jax import cli
-  (tmp_path / "generation_config.json").write_text(json.dumps(export_lib.DEFAULT_GENERATION))
+  # A run that trained sort gets its rule; one that did not keeps the plain defaults.
+  assert export_lib.run_generation_config(trainer.TrainConfig(mix=(("arithmetic", 1.0),))) == \
+      export_lib.DEFAULT_GENERATION
+  gen = export_lib.run_generation_config(trainer.TrainConfig(mix=(("arithmetic", 0.6), ("sort", 0.4))))
+  assert gen == dict(export_lib.DEFAULT_GENERATION, prompt_rules=[export_lib.TASK_PROMPT_RULES["sort"]])
+  (tmp_path / "generation_config.json").write_text(json.dumps(gen))
   from train_td import tokenizer as tok_lib
   args = argparse.Namespace()
   short = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 3 + 4?"))
@@ -323,7 +328,8 @@ def test_eval_compares_models_at_the_first_models_settings(tmp_path, capsys):
   for seed in (0, 1):
     params, _ = trainer.init_state(dataclasses.replace(tc, seed=seed))
     d = tmp_path / f"m{seed}"
-    gen = dict(export_lib.DEFAULT_GENERATION, threshold=0.7) if seed == 0 else {"gen_length": 4, "block_length": 2}
+    gen = (dict(export_lib.DEFAULT_GENERATION, threshold=0.7, prompt_rules=[export_lib.TASK_PROMPT_RULES["sort"]])
+           if seed == 0 else {"gen_length": 4, "block_length": 2})
     export_lib.export_params(params, tc.model_config(), d, generation_config=gen)
     dirs.append(str(d))
   rc = td_main.main(["eval", "--model", ",".join(dirs), "--task", "arithmetic,sort", "--n", "3", "--batch", "3",
