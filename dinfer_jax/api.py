@@ -17,7 +17,11 @@ from dinfer_jax.model import params as params_lib
 from dinfer_jax.model.transformer import forward as _forward
 from dinfer_jax.sharding import param_shardings, use_mesh
 
-DEFAULT_MODEL_DIR = pathlib.Path(__file__).parent / "assets" / "default"
+ASSETS_DIR = pathlib.Path(__file__).parent / "assets"
+DEFAULT_MODEL_DIR = ASSETS_DIR / "default"
+# Embedded models, loadable by name: the default model and its trajectory-distilled variant
+# (train_td distill; shipped once it has been trained).
+EMBEDDED_MODELS = ("default", "default-td")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -32,11 +36,15 @@ class Model:
 
 
 def resolve_path(path: str | os.PathLike | None) -> pathlib.Path:
-  """`None` or "default" is the embedded default model; anything else is a directory."""
-  if path is None or str(path) == "default":
-    if not (DEFAULT_MODEL_DIR / "config.json").exists():
-      raise FileNotFoundError(f"the embedded default model is not installed at {DEFAULT_MODEL_DIR}")
-    return DEFAULT_MODEL_DIR
+  """`None` or "default" is the embedded default model, "default-td" its TD variant; anything else is a
+  directory."""
+  name = "default" if path is None else str(path)
+  if name in EMBEDDED_MODELS:
+    d = ASSETS_DIR / name
+    if not (d / "config.json").exists():
+      hint = " (make it with `python -m train_td distill`, see train_td/README.md)" if name != "default" else ""
+      raise FileNotFoundError(f"the embedded model {name!r} is not installed at {d}{hint}")
+    return d
   p = pathlib.Path(path)
   if not p.is_dir():
     raise FileNotFoundError(f"model path {p} is not a directory")

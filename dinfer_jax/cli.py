@@ -41,8 +41,14 @@ def add_generation_flags(ap: argparse.ArgumentParser, model_defaults: dict[str, 
                      help=(f"one of {', '.join(listed)}; " if listed else "") + shown)
 
 
-def model_generation_defaults(model_path: str | None) -> dict[str, Any]:
-  """GenerationConfig knobs a model directory recommends (generation_config.json, dinfer-jax keys only)."""
+# generation_config.json may hold per-prompt overrides: "prompt_rules": [{"prefix": TEXT, knob: value, ...}].
+# The first rule whose prefix starts the prompt (as the model sees it: chat template applied, special tokens
+# written out) overrides the file's defaults, e.g. a longer gen_length for a task whose answers are long, so
+# that a long question is never cut off at the short default.
+PROMPT_RULES = "prompt_rules"
+
+
+def _read_generation_file(model_path: str | None) -> dict[str, Any]:
   import json
   import pathlib
   if not model_path:
@@ -56,18 +62,37 @@ def model_generation_defaults(model_path: str | None) -> dict[str, Any]:
     raise ValueError(f"{f}: cannot parse: {e}") from None
   if not isinstance(data, dict):
     raise ValueError(f"{f}: expected a JSON object")
+  return data
+
+
+def _known_knobs(data: dict[str, Any]) -> dict[str, Any]:
   known = {fl.name for fl in dataclasses.fields(GenerationConfig)}
   return {k: v for k, v in data.items() if k in known}
 
 
-def generation_config(args: argparse.Namespace, model_path: str | None = None) -> GenerationConfig:
-  """Dataclass defaults < the model's generation_config.json < flags given on the command line.
+def model_generation_defaults(model_path: str | None, prompt_text: str | None = None) -> dict[str, Any]:
+  """GenerationConfig knobs a model directory recommends (generation_config.json, dinfer-jax keys only),
+  with the first matching prompt rule applied when `prompt_text` is given."""
+  data = _read_generation_file(model_path)
+  knobs = _known_knobs(data)
+  if prompt_text is not None:
+    for rule in data.get(PROMPT_RULES, []):
+      if prompt_text.startswith(rule.get("prefix", "")):
+        knobs.update(_known_knobs(rule))
+        break
+  return knobs
+
+
+def generation_config(args: argparse.Namespace, model_path: str | None = None,
+                      prompt_text: str | None = None) -> GenerationConfig:
+  """Dataclass defaults < the model's generation_config.json (< its rule for `prompt_text`) < flags given
+  on the command line.
 
   A value from generation_config.json that is invalid (and not overridden by a flag) is reported as
   coming from that file.
   """
   import pathlib
-  from_file = model_generation_defaults(model_path)
+  from_file = model_generation_defaults(model_path, prompt_text)
   flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
   try:
     return GenerationConfig(**{**from_file, **flags})
@@ -176,52 +201,72 @@ def _piece(model, t: int) -> str:
   return model.tokenizer.decode([t], skip_special_tokens=False)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _print_answer(args: argparse.Namespace, model, prompts: Sequence[Any], r: int, res, i: int) -> int:
+  """Prints prompt r's answer (row i of `res`) as --json/--show-steps ask; returns its token count."""
   import json
 
+  from dinfer_jax.answer import cut_at_stop
+  toks = res.tokens[i][:args.max_new_tokens] if args.max_new_tokens else res.tokens[i]
+  # Surrounding whitespace (e.g. the default model's column padding, " 627") would only blur where an
+  # answer starts; --show-steps and --json keep the raw text.
+  text, stopped = cut_at_stop(decode_tokens(model, toks), args.stop)
+  if args.json:
+    print(json.dumps({"prompt": prompts[r], "answer": text, "tokens": len(toks), "nfe": res.row_nfe[i],
+                      "tpf": len(toks) / res.row_nfe[i] if res.row_nfe[i] else 0.0, "stopped": stopped}),
+          flush=True)
+    return len(toks)
+  if len(prompts) > 1:
+    print(f"### {prompts[r] if isinstance(prompts[r], str) else prompts[r][-1]['content']}")
+  if args.show_steps:
+    for line in render_steps(model, res.canvas[i], res.commit_step[i], res.prompt_lengths[i], res.row_nfe[i]):
+      print(line)
+  print(text.strip())
+  return len(toks)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
   import dinfer_jax
   from dinfer_jax import prompt_input
-  from dinfer_jax.answer import cut_at_stop, with_token_cap
+  from dinfer_jax.answer import with_token_cap
   if args.batch_size <= 0:
     raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
   prompts = prompt_input.collect(args.prompts, args.file)
   model = dinfer_jax.load(args.model, dtype=args.dtype)
   from dinfer_jax import diagnostics
-  gcfg = with_token_cap(generation_config(args, model.path), args.max_new_tokens)
-  sources = knob_sources(args, model.path)
-  diagnostics.check_ids(model, gcfg, sources)
-  diagnostics.check_weights(model)
   ids = encode_prompts(model, prompts, raw=args.raw, system=args.system)
-  diagnostics.check_fits(model, ids, gcfg, source=sources.get("gen_length", "gen_length"))  # before compiling
-  chunks = [range(i, min(i + args.batch_size, len(ids))) for i in range(0, len(ids), args.batch_size)]
+  # Prompts whose generation settings differ (a prompt rule of the model) run as separate batches.
+  groups: dict[GenerationConfig, list[int]] = {}
+  for r, row in enumerate(ids):
+    text = model.tokenizer.decode(row) if model.tokenizer is not None else None
+    gcfg = with_token_cap(generation_config(args, model.path, text), args.max_new_tokens)
+    groups.setdefault(gcfg, []).append(r)
+  sources = knob_sources(args, model.path)
+  diagnostics.check_weights(model)
+  for gcfg, rows in groups.items():  # before compiling anything
+    diagnostics.check_ids(model, gcfg, sources)
+    diagnostics.check_fits(model, [ids[r] for r in rows], gcfg, source=sources.get("gen_length", "gen_length"))
+  chunks = [(gcfg, rows[i:i + args.batch_size]) for gcfg, rows in groups.items()
+            for i in range(0, len(rows), args.batch_size)]
   progress = None
   if len(chunks) > 1 and not args.no_progress:
     from tqdm import tqdm
     progress = tqdm(total=len(ids), unit="prompt", file=sys.stderr, desc="generate")
   t = time.perf_counter()
   tokens_total, nfe_total = 0, 0
-  for chunk in chunks:
-    res = dinfer_jax.generate(model, [ids[i] for i in chunk], gcfg, seed=args.seed,
-                              batch_bucket=args.batch_size if len(chunks) > 1 else None)
-    diagnostics.check_finite(model, [ids[i] for i in chunk], gcfg, res)
+  done: dict[int, tuple] = {}
+  next_row = 0
+  for gcfg, chunk in chunks:
+    res = dinfer_jax.generate(model, [ids[r] for r in chunk], gcfg, seed=args.seed,
+                              batch_bucket=args.batch_size if len(ids) > args.batch_size else None)
+    diagnostics.check_finite(model, [ids[r] for r in chunk], gcfg, res)
     nfe_total += res.nfe
-    for r, i in enumerate(chunk):
-      toks = res.tokens[r][:args.max_new_tokens] if args.max_new_tokens else res.tokens[r]
-      # Surrounding whitespace (e.g. the default model's column padding, " 627") would only blur where an
-      # answer starts; --show-steps and --json keep the raw text.
-      text, stopped = cut_at_stop(decode_tokens(model, toks), args.stop)
-      tokens_total += len(toks)
-      if args.json:
-        print(json.dumps({"prompt": prompts[i], "answer": text, "tokens": len(toks), "nfe": res.row_nfe[r],
-                          "tpf": len(toks) / res.row_nfe[r] if res.row_nfe[r] else 0.0, "stopped": stopped}),
-              flush=True)
-        continue
-      if len(prompts) > 1:
-        print(f"### {prompts[i] if isinstance(prompts[i], str) else prompts[i][-1]['content']}")
-      if args.show_steps:
-        for line in render_steps(model, res.canvas[r], res.commit_step[r], res.prompt_lengths[r], res.row_nfe[r]):
-          print(line)
-      print(text.strip())
+    for i, r in enumerate(chunk):
+      done[r] = (res, i)
+    # Answers come out in the prompts' order, each as soon as every earlier prompt's is there.
+    while next_row in done:
+      res_r, i = done.pop(next_row)
+      tokens_total += _print_answer(args, model, prompts, next_row, res_r, i)
+      next_row += 1
     if progress:
       progress.update(len(chunk))
   if progress:
@@ -311,10 +356,11 @@ def convert_main(argv: Sequence[str]) -> int:
 
 
 def train_main(argv: Sequence[str]) -> int:
-  """train_td's CLI (train / export / eval); a first argument that is none of those is a run directory."""
-  from train_td.__main__ import main as train_cli
+  """train_td's CLI (train / export / eval / collect / distill); a first argument that is none of those is a
+  run directory."""
+  from train_td.__main__ import SUBCOMMANDS, main as train_cli
   argv = list(argv)
-  if not argv or argv[0] not in ("train", "export", "eval", "-h", "--help"):
+  if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help"):
     argv = ["train", *argv]
   return train_cli(argv, prog="dinfer-jax train")
 

@@ -1,8 +1,11 @@
-"""python -m train_td {train,export,eval} ...
+"""python -m train_td {train,export,eval,collect,distill} ...
 
   train RUN_DIR [--steps N --batch-size B --lr LR --seed S ...] [--resume]
+  train RUN_DIR --td DATA[,DATA] [--base default] [--mdm-weight W] [--cf-weight W] [--steps N ...]
   export RUN_DIR --out DIR [--overwrite] [--dtype float32|bfloat16]
-  eval --model PATH --task arithmetic|program --n N --seed S [GenerationConfig flags] [--json]
+  eval --model PATH[,PATH] --task NAME[,NAME] --n N --seed S [GenerationConfig flags] [--json]
+  collect --model PATH --task NAME --n N --out DIR [--batch B] [--seed S] [GenerationConfig flags]
+  distill --base default --out dinfer_jax/assets/default-td --work DIR [--tasks ...] [--n ...] [--steps ...]
 
 Resuming (`train RUN_DIR` again, or with --resume) takes every setting from RUN_DIR/train_config.json;
 flags given must agree with it, except --steps, which extends (or shortens) the run. Bad input prints
@@ -61,6 +64,12 @@ def _add_train(sub):
     else:
       p.add_argument(flag, dest=f.name, type=type(f.default), default=argparse.SUPPRESS,
                      help=f"default {f.default!r}")
+  td = p.add_argument_group("trajectory distillation (train_td.td_train; the architecture is the base model's)")
+  td.add_argument("--td", default=None, metavar="DATA", help="collect directories (comma-separated): train the "
+                  "TD variant of --base on their golden trajectories")
+  td.add_argument("--base", default="default", help="model to distill (directory or 'default')")
+  td.add_argument("--mdm-weight", type=float, default=0.0, help="weight of the masked-diffusion loss mixed in")
+  td.add_argument("--cf-weight", type=float, default=0.0, help="weight of the certainty-forcing entropy term")
   p.set_defaults(func=cmd_train)
 
 
@@ -74,6 +83,8 @@ def cmd_train(args) -> int:
   given = {f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.TrainConfig) if hasattr(args, f.name)}
   if "mix" in given:
     given["mix"] = _parse_mix(given["mix"])
+  if args.td:
+    return cmd_train_td(args, given)
   saved = pathlib.Path(args.run_dir) / trainer.TRAIN_CONFIG
   # Resuming: unset flags come from the run's own config (trainer.train checks what was given against it).
   base = trainer.load_train_config(args.run_dir) if saved.exists() else trainer.TrainConfig()
@@ -84,6 +95,61 @@ def cmd_train(args) -> int:
   out = trainer.train(tc, args.run_dir, resume=True if args.resume else None, progress=not args.no_progress)
   print(json.dumps({"step": out["step"], "seconds": round(out["seconds"], 1), **out["last_metrics"]}))
   return 0
+
+
+def cmd_train_td(args, kw) -> int:
+  from train_td import td_train
+  tdc = td_train.TDConfig(data=args.td, base=args.base, mdm_weight=args.mdm_weight, cf_weight=args.cf_weight)
+  for f in td_train.ARCH_FIELDS:
+    kw.pop(f, None)  # the base model's
+  out = td_train.train(tdc, args.run_dir, resume=True if args.resume else None, progress=not args.no_progress, **kw)
+  print(json.dumps({"step": out["step"], "seconds": round(out["seconds"], 1), **out["last_metrics"]}))
+  return 0
+
+
+def _add_collect(sub):
+  from dinfer_jax.cli import add_generation_flags
+  p = sub.add_parser("collect", help="golden trajectories of a model on training prompts (Parquet shards)")
+  p.add_argument("--model", default="default")
+  p.add_argument("--task", required=True)
+  p.add_argument("--n", type=_positive_int, required=True, help="training prompts to run (distinct)")
+  p.add_argument("--out", required=True, help="output directory (resumed if it has shards)")
+  p.add_argument("--batch", type=_positive_int, default=128, help="prompts per engine call (= per shard)")
+  p.add_argument("--seed", type=int, default=0, help="which training prompts")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--no-progress", action="store_true")
+  add_generation_flags(p)  # knobs not given come from the model's generation_config.json (and its task rule)
+  p.set_defaults(func=cmd_collect)
+
+
+def cmd_collect(args) -> int:
+  from train_td import collect
+  return collect.main(args)
+
+
+def _add_distill(sub):
+  p = sub.add_parser("distill", help="collect + train --td + export: the TD variant of a base model in one command")
+  p.add_argument("--base", default="default")
+  p.add_argument("--out", required=True, help="export directory (e.g. dinfer_jax/assets/default-td)")
+  p.add_argument("--work", required=True, help="working directory: trajectories in WORK/data/<task>, run in WORK/run")
+  p.add_argument("--tasks", default="arithmetic,program,sort")
+  p.add_argument("--n", default="arithmetic=20000,program=1600,sort=8000",
+                 help="training prompts per task (TASK=N,...)")
+  p.add_argument("--batch", type=_positive_int, default=256, help="collect: prompts per engine call")
+  p.add_argument("--steps", type=_positive_int, default=1500)
+  p.add_argument("--batch-size", type=_positive_int, default=128)
+  p.add_argument("--lr", type=float, default=5e-4)
+  p.add_argument("--warmup-steps", type=int, default=50)
+  p.add_argument("--mdm-weight", type=float, default=0.5)
+  p.add_argument("--cf-weight", type=float, default=0.5)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-progress", action="store_true")
+  p.set_defaults(func=cmd_distill)
+
+
+def cmd_distill(args) -> int:
+  from train_td import distill
+  return distill.main(args)
 
 
 def _add_export(sub):
@@ -117,8 +183,9 @@ def cmd_export(args) -> int:
 def _add_eval(sub):
   from dinfer_jax.cli import add_generation_flags
   p = sub.add_parser("eval", help="accuracy, TPF and NFE on held-out problems")
-  p.add_argument("--model", default="default")
-  p.add_argument("--task", required=True, choices=["arithmetic", "program"])
+  p.add_argument("--model", default="default", help="model directory or name; several comma-separated are "
+                 "compared with the same generation settings (the first model's generation_config.json)")
+  p.add_argument("--task", required=True, help="task name, or several comma-separated")
   p.add_argument("--n", type=_positive_int, default=200)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--batch", type=_positive_int, default=64, help="problems per generate call")
@@ -134,12 +201,15 @@ def cmd_eval(args) -> int:
   return evaluate.main(args)
 
 
+SUBCOMMANDS = {"train": _add_train, "export": _add_export, "eval": _add_eval, "collect": _add_collect,
+               "distill": _add_distill}
+
+
 def build_parser(prog: str = "python -m train_td") -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog=prog)
   sub = ap.add_subparsers(dest="command", required=True)
-  _add_train(sub)
-  _add_export(sub)
-  _add_eval(sub)
+  for add in SUBCOMMANDS.values():
+    add(sub)
   return ap
 
 

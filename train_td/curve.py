@@ -17,6 +17,8 @@ import dinfer_jax
 from dinfer_jax.cli import model_generation_defaults
 from dinfer_jax.engine.config import GenerationConfig
 from train_td import evaluate
+from train_td import tasks as tasks_lib
+from train_td import tokenizer as tok_lib
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DECODERS = ("threshold", "hierarchy", "credit")
@@ -24,8 +26,12 @@ SMOOTHING = (0.0, 0.3)
 
 
 def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=DECODERS, smoothing=SMOOTHING,
-          progress=None, cache: str = "dual"):
-  base = model_generation_defaults(model.path)
+          progress=None, cache: str = "dual", settings_from: str | None = None, name: str | None = None):
+  """Rows of (decoder, smoothing, threshold) -> accuracy / TPF. The other knobs are the generation_config.json
+  of `settings_from` (default: the model's own), with its prompt rule for the task (e.g. sort's long
+  gen_length): comparing a TD model with its base at the base's settings passes the base's path."""
+  probe = tasks_lib.test_problems(task, 1, 0)[0]
+  base = model_generation_defaults(settings_from or model.path, tok_lib.format_chat(probe.prompt))
   base.update(cache=cache)
   rows = []
   for dec in decoders:
@@ -36,7 +42,7 @@ def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=D
           knobs["low_threshold"] = round(max(0.3, thr - 0.3), 2)
         gcfg = GenerationConfig(**knobs)
         r = evaluate.evaluate(model, task, n, gcfg, seed=seed)
-        rows.append({"task": task, "decoder": dec, "smoothing": cw, "threshold": thr, "low_threshold": gcfg.low_threshold
+        rows.append({"model": name or model.path, "task": task, "decoder": dec, "smoothing": cw, "threshold": thr, "low_threshold": gcfg.low_threshold
                      if dec == "hierarchy" else None, "accuracy": r["accuracy"], "mean_tpf": r["mean_tpf"],
                      "mean_nfe": r["mean_nfe"], "tps": r["tps"]})
         if progress:
@@ -46,11 +52,11 @@ def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=D
 
 def to_markdown(rows, command: str, cache: str = "dual") -> str:
   out = [f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}; cache {cache}; held-out problems.",
-         "", "| task | decoder | smoothing | threshold | accuracy | mean TPF | mean NFE | TPS |",
-         "|---|---|---|---|---|---|---|---|"]
+         "", "| task | model | decoder | smoothing | threshold | accuracy | mean TPF | mean NFE | TPS |",
+         "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     thr = f"{r['threshold']}" + (f" (low {r['low_threshold']})" if r["low_threshold"] is not None else "")
-    out.append(f"| {r['task']} | {r['decoder']} | {r['smoothing']} | {thr} | {r['accuracy']:.3f} | "
+    out.append(f"| {r['task']} | {r.get('model', '')} | {r['decoder']} | {r['smoothing']} | {thr} | {r['accuracy']:.3f} | "
                f"{r['mean_tpf']:.2f} | {r['mean_nfe']:.1f} | {r['tps']:.0f} |")
   return "\n".join(out) + "\n"
 
@@ -61,15 +67,18 @@ def plot(rows, path: str, title: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   task_names = list(dict.fromkeys(r["task"] for r in rows))
+  models = list(dict.fromkeys(r.get("model") for r in rows))
   fig, axes = plt.subplots(1, len(task_names), figsize=(6.5 * len(task_names), 4.5), squeeze=False)
   for ax, task in zip(axes[0], task_names):
-    for dec in DECODERS:
-      for cw in SMOOTHING:
-        pts = sorted((r["mean_tpf"], r["accuracy"]) for r in rows
-                     if r["task"] == task and r["decoder"] == dec and r["smoothing"] == cw)
-        if pts:
-          ax.plot(*zip(*pts), marker="o" if cw == 0 else "s", linestyle="-" if cw == 0 else "--",
-                  label=f"{dec}{' + smoothing ' + str(cw) if cw else ''}")
+    for model in models:
+      for dec in DECODERS:
+        for cw in SMOOTHING:
+          pts = sorted((r["mean_tpf"], r["accuracy"]) for r in rows if r["task"] == task and r.get("model") == model
+                       and r["decoder"] == dec and r["smoothing"] == cw)
+          if pts:
+            who = f"{model}: " if len(models) > 1 else ""
+            ax.plot(*zip(*pts), marker="o" if cw == 0 else "s", linestyle="-" if cw == 0 else "--",
+                    label=f"{who}{dec}{' + smoothing ' + str(cw) if cw else ''}")
     ax.set_xlabel("mean tokens per forward")
     ax.set_ylabel("held-out accuracy")
     ax.set_title(f"{task}: {title}")
@@ -81,7 +90,8 @@ def plot(rows, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--model", default="default")
+  ap.add_argument("--model", default="default", help="model, or several comma-separated (e.g. default,default-td: "
+                  "base and TD on one plot per task, all decoded with the first model's generation settings)")
   ap.add_argument("--task", default="arithmetic,program", help="comma-separated task names")
   ap.add_argument("--n", type=int, default=100)
   ap.add_argument("--seed", type=int, default=0)
@@ -92,11 +102,12 @@ def main(argv=None) -> int:
   ap.add_argument("--decoders", default=",".join(DECODERS))
   ap.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
   a = ap.parse_args(argv)
-  model = dinfer_jax.load(a.model)
-  rows = [r for task in a.task.split(",")
+  names = a.model.split(",")
+  models = [dinfer_jax.load(m) for m in names]
+  rows = [r for task in a.task.split(",") for name, model in zip(names, models)
           for r in sweep(model, task, a.n, a.seed, thresholds=[float(t) for t in a.thresholds.split(",")],
                          decoders=a.decoders.split(","), progress=lambda r: print(json.dumps(r), flush=True),
-                         cache=a.cache)]
+                         cache=a.cache, settings_from=models[0].path, name=name)]
   command = "python -m train_td.curve " + " ".join(argv if argv is not None else sys.argv[1:])
   with open(a.md, "w") as f:
     f.write(to_markdown(rows, command, a.cache))

@@ -3,7 +3,8 @@
 Batch for step s is a pure function of (seed, s): the task of the batch is drawn from the mix with a
 generator seeded by (seed, s), and its problems are the first `batch_size` of
 `iter_problems(task, "train", seed=derived)`. So resuming at step s needs no replay. Each batch holds one
-task, so a batch's width is that task's bucket (arithmetic prompts are 9 tokens, program prompts at most 33):
+task, so a batch's width is that task's bucket (arithmetic prompts are 9 tokens, program prompts at most 33,
+sort prompts at most 54; sort answers get a region of 48, the others answer_len):
 
   row:  [ pad ... | <|user|> prompt <|assistant|> | answer <|eos|> <|eos|> ... ]
           prompt_width                              answer_len
@@ -24,7 +25,10 @@ DEFAULT_MIX = (("arithmetic", 0.65), ("program", 0.35))
 # this design got every held-out sum and difference right and ~2/3 of the products, with uniform ops.
 # Held-out sets are always drawn uniformly from the registered task.
 DEFAULT_ARITHMETIC_OP_WEIGHTS = (1.0, 1.0, 2.0)
-DEFAULT_PROMPT_WIDTH = {"arithmetic": 10, "program": 34}
+DEFAULT_PROMPT_WIDTH = {"arithmetic": 10, "program": 34, "sort": 54}
+# Answer regions of the long-answer tasks (the others use DataConfig.answer_len): a sort answer is at most
+# 47 characters (24 digits and their commas) plus <|eos|>, i.e. six blocks of 8 at generation time.
+DEFAULT_TASK_ANSWER_LEN = {"sort": 48}
 
 _VOCAB = None
 
@@ -55,6 +59,7 @@ class DataConfig:
   prompt_width: tuple[tuple[str, int], ...] = tuple(DEFAULT_PROMPT_WIDTH.items())
   seed: int = 0
   arithmetic_op_weights: tuple[float, ...] | None = DEFAULT_ARITHMETIC_OP_WEIGHTS
+  task_answer_len: tuple[tuple[str, int], ...] = tuple(DEFAULT_TASK_ANSWER_LEN.items())
 
   def __post_init__(self):
     if not self.mix:
@@ -71,6 +76,9 @@ class DataConfig:
 
   def width(self, task: str) -> int:
     return dict(self.prompt_width)[task]
+
+  def answer_len_for(self, task: str) -> int:
+    return dict(self.task_answer_len).get(task, self.answer_len)
 
   def train_task(self, name: str) -> tasks_lib.Task:
     """The task training batches of `name` are drawn from (the registered one, reweighted if asked)."""
@@ -120,7 +128,7 @@ def get_batch(dcfg: DataConfig, step: int) -> tuple[str, dict[str, np.ndarray]]:
   stream_seed = int(np.random.default_rng([dcfg.seed, step, 11]).integers(2**62))
   it = tasks_lib.iter_problems(dcfg.train_task(task), "train", stream_seed)
   problems = [next(it) for _ in range(dcfg.batch_size)]
-  return task, make_rows(problems, dcfg.width(task), dcfg.answer_len)
+  return task, make_rows(problems, dcfg.width(task), dcfg.answer_len_for(task))
 
 
 def n_tokens(batch: Mapping[str, np.ndarray]) -> int:

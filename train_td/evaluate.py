@@ -1,6 +1,6 @@
 """Held-out evaluation: batched generation through dinfer_jax.generate, answers verified by the task.
 
-  python -m train_td eval --model PATH --task arithmetic|program --n N --seed S [GenerationConfig flags] [--json]
+  python -m train_td eval --model PATH[,PATH] --task NAME[,NAME] --n N --seed S [GenerationConfig flags] [--json]
 
 GenerationConfig knobs not given on the command line come from the model directory's
 generation_config.json (the defaults the model ships with), then from GenerationConfig's own defaults.
@@ -77,27 +77,50 @@ def evaluate(model, task: str, n: int, gcfg: GenerationConfig, *, seed: int = 0,
   }
 
 
+def task_generation_config(args, model_path: str | None, task: str) -> GenerationConfig:
+  """Dataclass < the model's generation_config.json (and its prompt rule for the task's prompts, e.g. a
+  longer gen_length for sort) < flags."""
+  from dinfer_jax.cli import generation_config
+  probe = tasks_lib.test_problems(task, 1, 0)[0]
+  return generation_config(args, model_path, tok_lib.format_chat(probe.prompt))
+
+
 def main(args) -> int:
+  """Evaluates each model on each task. With several models, every model decodes with the settings of
+  the first one (its generation_config.json + flags): the comparison of base and TD at equal settings."""
   import dinfer_jax
-  model = dinfer_jax.load(args.model if args.model != "default" else None, dtype=args.dtype)
   from dinfer_jax import diagnostics
-  from dinfer_jax.cli import knob_sources, generation_config
-  gcfg = generation_config(args, model.path)  # dataclass < model's generation_config.json < flags
-  problems = tasks_lib.test_problems(args.task, args.n, args.seed)
-  # The same checks as `dinfer-jax generate`: bad ids, broken weights and a canvas that cannot fit are
-  # one-line errors before anything is compiled (every batch has the first one's shape).
-  sources = knob_sources(args, model.path)
-  diagnostics.check_ids(model, gcfg, sources)
-  diagnostics.check_weights(model)
-  first = [data_lib.encode_prompt(p.prompt) for p in problems[:args.batch]]
-  diagnostics.check_fits(model, first, gcfg, source=sources.get("gen_length", "gen_length"))
-  res = evaluate(model, args.task, args.n, gcfg, seed=args.seed, batch=args.batch, problems=problems)
-  for p, a, k in list(zip(problems, res["answers"], res["ok"]))[:args.show]:
-    print(f"{'ok ' if k else 'BAD'} {p.prompt} -> {a!r} (ref {p.answer!r})")
-  print(f"{args.task}: accuracy {res['accuracy']:.3f} ({res['correct']}/{res['n']})  mean TPF {res['mean_tpf']:.2f}  "
-        f"TPF {res['tpf']:.2f}  mean NFE {res['mean_nfe']:.2f}  TPS {res['tps']:.1f}")
+  from dinfer_jax.cli import knob_sources
+  names = [m for m in args.model.split(",") if m]
+  task_names = [t for t in args.task.split(",") if t]
+  for t in task_names:
+    tasks_lib.get_task(t)  # an unknown task fails before any model is loaded
+  models = [dinfer_jax.load(m, dtype=args.dtype) for m in names]
+  results = []
+  for task in task_names:
+    gcfg = task_generation_config(args, models[0].path, task)
+    problems = tasks_lib.test_problems(task, args.n, args.seed)
+    for name, model in zip(names, models):
+      # The same checks as `dinfer-jax generate`: bad ids, broken weights and a canvas that cannot fit are
+      # one-line errors before anything is compiled (every batch has the first one's shape).
+      sources = knob_sources(args, models[0].path)
+      diagnostics.check_ids(model, gcfg, sources)
+      diagnostics.check_weights(model)
+      first = [data_lib.encode_prompt(p.prompt) for p in problems[:args.batch]]
+      diagnostics.check_fits(model, first, gcfg, source=sources.get("gen_length", "gen_length"))
+      res = evaluate(model, task, args.n, gcfg, seed=args.seed, batch=args.batch, problems=problems)
+      for p, a, k in list(zip(problems, res["answers"], res["ok"]))[:args.show]:
+        print(f"{'ok ' if k else 'BAD'} {p.prompt} -> {a!r} (ref {p.answer!r})")
+      print(f"{name} {task}: accuracy {res['accuracy']:.3f} ({res['correct']}/{res['n']})  mean TPF "
+            f"{res['mean_tpf']:.2f}  TPF {res['tpf']:.2f}  mean NFE {res['mean_nfe']:.2f}  TPS {res['tps']:.1f}")
+      out = {k: v for k, v in res.items() if k not in ("answers", "ok")}
+      out["model"] = model.path
+      results.append(out)
+  if len(models) > 1:
+    print("| task | model | accuracy | mean TPF | mean NFE |")
+    print("|---|---|---|---|---|")
+    for r, name in zip(results, names * len(task_names)):
+      print(f"| {r['task']} | {name} | {r['accuracy']:.3f} | {r['mean_tpf']:.2f} | {r['mean_nfe']:.2f} |")
   if args.json:
-    out = {k: v for k, v in res.items() if k not in ("answers", "ok")}
-    out["model"] = model.path
-    print(json.dumps(out))
+    print(json.dumps(results[0] if len(results) == 1 else results))
   return 0

@@ -26,6 +26,10 @@ from train_td import tokenizer as tok_lib
 # many positions. Two blocks of 4, so generation is block-wise and the dual cache has a suffix.
 DEFAULT_GENERATION = {"gen_length": 8, "block_length": 4, "decoder": "threshold", "threshold": 0.9,
                       "cache": "dual", "prompt_bucket": 16}
+# Prompt rules (dinfer_jax.cli.PROMPT_RULES) of the long-answer tasks, written for a run that trained them:
+# sort answers are up to 47 characters + <|eos|> (the task's answer region, data.DEFAULT_TASK_ANSWER_LEN),
+# six blocks of 8, so a user's long list is never cut off at the short default.
+TASK_PROMPT_RULES = {"sort": {"prefix": "<|user|>sort:", "gen_length": 48, "block_length": 8}}
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
@@ -92,14 +96,26 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
           "files": sorted(p.name for p in out.iterdir() if not p.name.startswith("."))}
 
 
+def run_generation_config(tc) -> dict[str, Any]:
+  """generation_config.json for a trained run: the defaults with gen_length = the run's answer region, and
+  a prompt rule for each long-answer task of its mix."""
+  gen = dict(DEFAULT_GENERATION)
+  if tc.answer_len != DEFAULT_GENERATION["gen_length"]:
+    gen.update(gen_length=tc.answer_len,
+               block_length=tc.answer_len // 2 if tc.answer_len % 2 == 0 else tc.answer_len)
+  rules = [TASK_PROMPT_RULES[name] for name, w in tc.mix if w > 0 and name in TASK_PROMPT_RULES]
+  if rules:
+    gen["prompt_rules"] = rules
+  return gen
+
+
 def export_run(run_dir: os.PathLike, out: os.PathLike, *, step: int | None = None, dtype: str = "float32",
                generation_config: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
   """Exports a run's checkpoint (latest unless `step`) to `out` (see export_params for `overwrite`)."""
   from train_td import trainer
   tc = trainer.load_train_config(run_dir)
-  if generation_config is None and tc.answer_len != DEFAULT_GENERATION["gen_length"]:
-    generation_config = dict(DEFAULT_GENERATION, gen_length=tc.answer_len,
-                             block_length=tc.answer_len // 2 if tc.answer_len % 2 == 0 else tc.answer_len)
+  if generation_config is None:
+    generation_config = run_generation_config(tc)
   params, _, s = trainer.restore(run_dir, tc, step)
   res = export_params(params, tc.model_config(), out, dtype=dtype, generation_config=generation_config,
                       overwrite=overwrite)

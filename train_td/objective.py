@@ -83,3 +83,97 @@ def make_loss_fn(cfg: ModelConfig, *, mask_id: int | None = None, eps: float = 1
   return functools.partial(masked_diffusion_loss, cfg=cfg,
                            mask_id=cfg.mask_token_id if mask_id is None else mask_id, eps=eps,
                            moe_impl=moe_impl)
+
+
+# ------------------------------------------------------------------------------ trajectory distillation
+# A golden trajectory (train_td.td_data) is stored as the final canvas plus, per generated position, its
+# reveal step r: the number of forwards after which the position holds its final token (the engine's
+# commit step; positions filled by early stop are revealed after the row's last forward, n_steps). The
+# state after k forwards is therefore s_k = tokens where r <= k, <|mask|> elsewhere (prompt: r = 0).
+
+
+def sample_transition(rng: jax.Array, n_steps: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per row a pair of states a < b on its trajectory: a ~ U{0..N-1}, then b ~ U{a+1..N} (N = n_steps).
+
+  In dInfer's notation (s_N noisiest) this is i > j: the input is the noisier state s_a, the targets the
+  tokens revealed between s_a and s_b, so the model learns to make b - a forwards' worth of commits in one.
+  """
+  k_a, k_b = jax.random.split(rng)
+  n = jnp.maximum(n_steps, 1).astype(jnp.float32)
+  a = jnp.floor(jax.random.uniform(k_a, n_steps.shape) * n).astype(jnp.int32)
+  a = jnp.minimum(a, jnp.maximum(n_steps, 1) - 1)
+  span = (n_steps - a).astype(jnp.float32)
+  b = a + 1 + jnp.floor(jax.random.uniform(k_b, n_steps.shape) * span).astype(jnp.int32)
+  return a, jnp.minimum(b, jnp.maximum(n_steps, 1))
+
+
+def transition_masks(reveal: jax.Array, answer: jax.Array, a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(masked input positions of s_a, the positions Delta revealed between s_a and s_b), both [B, T] bool."""
+  masked = answer & (reveal > a[:, None])
+  delta = masked & (reveal <= b[:, None])
+  return masked, delta
+
+
+def compressed_transition_terms(logits: jax.Array, targets: jax.Array, masked: jax.Array,
+                                delta: jax.Array) -> dict[str, jax.Array]:
+  """The TD terms on one forward of s_a.
+
+  Args:
+    logits: [B, T, V] model outputs on s_a.
+    targets: [B, T] the golden trajectory's final tokens.
+    masked: [B, T] positions masked in s_a.
+    delta: [B, T] positions revealed between s_a and s_b (a subset of `masked`).
+
+  Returns:
+    nll: sum over Delta of -log p(target) / |Delta| (token mean over the batch: dInfer's compressed
+      transition, an ordinary SFT loss on (s_a, tokens of s_b) pairs).
+    entropy: mean entropy of the predictive distribution over the masked positions of s_a whose argmax is
+      already the golden token (certainty forcing: sharpen what the model gets right, so that more of it
+      clears the decoder's threshold in one forward); the correctness mask carries no gradient.
+    delta_acc, n_delta, n_correct: metrics.
+  """
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  ce = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  n_delta = delta.sum()
+  nll = jnp.where(delta, ce, 0.0).sum() / jnp.maximum(n_delta, 1)
+  correct = jax.lax.stop_gradient((jnp.argmax(logp, -1) == targets) & masked)
+  ent = -(jnp.exp(logp) * logp).sum(-1)
+  n_correct = correct.sum()
+  entropy = jnp.where(correct, ent, 0.0).sum() / jnp.maximum(n_correct, 1)
+  delta_acc = (correct & delta).sum() / jnp.maximum(n_delta, 1)
+  return {"nll": nll, "entropy": entropy, "delta_acc": delta_acc, "n_delta": n_delta.astype(jnp.float32),
+          "n_correct": n_correct.astype(jnp.float32)}
+
+
+def td_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConfig, mask_id: int, mdm_weight: float = 0.0,
+            cf_weight: float = 0.0, eps: float = 1e-3, moe_impl: str | None = "dense") -> tuple[jax.Array, dict]:
+  """Trajectory-distillation loss: compressed-transition NLL + cf_weight * certainty-forcing entropy
+  (+ mdm_weight * the masked-diffusion loss on the same rows' final answers, a second forward).
+
+  `batch` (train_td.td_data): tokens, valid, positions, answer as in the masked-diffusion batch, plus
+  reveal [B, T] int32 and n_steps [B] int32.
+  """
+  k_tr, k_mdm = jax.random.split(rng)
+  tokens, answer = batch["tokens"], batch["answer"]
+  a, b = sample_transition(k_tr, batch["n_steps"])
+  masked, delta = transition_masks(batch["reveal"], answer, a, b)
+  state = jnp.where(masked, mask_id, tokens)
+  logits = forward(params, cfg, state, positions=batch["positions"], mask=batch["valid"], moe_impl=moe_impl).logits
+  terms = compressed_transition_terms(logits, tokens, masked, delta)
+  loss = terms["nll"] + cf_weight * terms["entropy"]
+  metrics = {"td_nll": terms["nll"], "cf_entropy": terms["entropy"], "delta_acc": terms["delta_acc"],
+             "delta_tokens": terms["n_delta"], "masked_acc": terms["delta_acc"]}
+  if mdm_weight:
+    mdm, mdm_metrics = masked_diffusion_loss(params, batch, k_mdm, cfg=cfg, mask_id=mask_id, eps=eps,
+                                             moe_impl=moe_impl)
+    loss = loss + mdm_weight * mdm
+    metrics["mdm_loss"] = mdm
+    metrics["mdm_masked_acc"] = mdm_metrics["masked_acc"]
+  return loss, dict(metrics, loss=loss)
+
+
+def make_td_loss_fn(cfg: ModelConfig, *, mdm_weight: float = 0.0, cf_weight: float = 0.0, eps: float = 1e-3,
+                    moe_impl: str | None = "dense") -> LossFn:
+  """The trajectory-distillation loss bound to a model config: loss_fn(params, batch, rng)."""
+  return functools.partial(td_loss, cfg=cfg, mask_id=cfg.mask_token_id, mdm_weight=mdm_weight,
+                           cf_weight=cf_weight, eps=eps, moe_impl=moe_impl)

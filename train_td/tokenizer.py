@@ -49,6 +49,10 @@ OPERAND_WIDTH = 3
 _OPERATORS = ("+", "-", "*")
 # Program-synthesis prompts ("f(0..5)=5,8,...") contain this and pass through unchanged (but stripped).
 PROGRAM_MARKER = "f("
+# Sorting prompts start with this word; numbers separated by commas and/or whitespace are rewritten as the
+# task writes them: "sort 4, 0 9" -> "sort:4,0,9" (SortTask.digits wide, zero padded).
+SORT_WORD = "sort"
+SORT_DIGITS = 1
 
 
 def format_prompt(question: str) -> str:
@@ -68,6 +72,8 @@ def format_prompt(question: str) -> str:
   q = question.strip()
   if PROGRAM_MARKER in q:
     return q
+  if q.lower().startswith(SORT_WORD):
+    return _format_sort(q)
   q = q.lower()
   for w in _WHITESPACE + _QUESTION_WORDS:
     q = q.replace(w, "")
@@ -80,6 +86,17 @@ def format_prompt(question: str) -> str:
     parts = q.split(op)
     if len(parts) == 2 and all(p.isdigit() and len(p) <= OPERAND_WIDTH for p in parts):
       q = parts[0].rjust(OPERAND_WIDTH) + op + parts[1].rjust(OPERAND_WIDTH)
+  return q
+
+
+def _format_sort(q: str) -> str:
+  """"Sort: 4, 0 9." -> "sort:4,0,9"; text that is not a list of small numbers is left as it is."""
+  body = q[len(SORT_WORD):].lstrip(":").rstrip(".")
+  for w in _WHITESPACE:
+    body = body.replace(w, ",")
+  parts = [p for p in body.split(",") if p]
+  if parts and all(p.isdigit() and len(p) <= SORT_DIGITS for p in parts):
+    return SORT_WORD + ":" + ",".join(p.zfill(SORT_DIGITS) for p in parts)
   return q
 
 
@@ -115,12 +132,28 @@ def _chat_template() -> str:
       f"{{%- set ns.q = '%{OPERAND_WIDTH}s' | format(parts[0]) + op + '%{OPERAND_WIDTH}s' | format(parts[1]) -%}}"
       "{%- endif -%}"
       "{%- endfor -%}")
+  # Same steps as _format_sort; `select` drops the empty strings that runs of separators leave.
+  sort = (
+      f"{{%- set body = q[{len(SORT_WORD)}:].lstrip(':').rstrip('.') -%}}"
+      + "".join(f"{{%- set body = body.replace({_jinja_str(w)}, ',') -%}}" for w in _WHITESPACE) +
+      "{%- set parts = body.split(',') | select | list -%}"
+      "{%- set ns.ok = parts | length > 0 -%}"
+      "{%- for p in parts -%}"
+      f"{{%- if not (p.isdigit() and p | length <= {SORT_DIGITS}) -%}}{{%- set ns.ok = false -%}}{{%- endif -%}}"
+      "{%- endfor -%}"
+      "{%- if ns.ok -%}"
+      f"{{%- set ns.q = {_jinja_str(SORT_WORD + ':')} -%}}"
+      "{%- for p in parts -%}"
+      f"{{%- set ns.q = ns.q + ('' if loop.first else ',') + p.zfill({SORT_DIGITS}) -%}}"
+      "{%- endfor -%}"
+      "{%- endif -%}")
   return (
       "{%- for message in messages -%}"
       "{%- if message['role'] == 'user' -%}"
       "{%- set q = message['content'] | trim -%}"
-      "{%- set ns = namespace(q=q) -%}"
-      f"{{%- if {_jinja_str(PROGRAM_MARKER)} not in q -%}}"
+      "{%- set ns = namespace(q=q, ok=false) -%}"
+      f"{{%- if (q | lower).startswith({_jinja_str(SORT_WORD)}) -%}}" + sort +
+      f"{{%- elif {_jinja_str(PROGRAM_MARKER)} not in q -%}}"
       "{%- set q = q | lower -%}" + normalise + "{%- set q = q.rstrip('.') -%}" + align +
       "{%- endif -%}"
       f"{{{{- {_jinja_str(USER_TOKEN)} + ns.q -}}}}"

@@ -279,7 +279,7 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
 def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
           loss_fn: objective.LossFn | None = None,
           get_batch: Callable[[int], tuple[str, dict]] | None = None,
-          progress: bool = True, stop_at: int | None = None) -> dict[str, Any]:
+          progress: bool = True, stop_at: int | None = None, init_params: Any | None = None) -> dict[str, Any]:
   """Trains (or resumes) a run.
 
   Args:
@@ -291,6 +291,8 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
     progress: show a tqdm bar.
     stop_at: stop (with a checkpoint) after this step instead of tc.steps (the schedule still spans
       tc.steps; used to test resuming).
+    init_params: params to start from when the run has no checkpoint yet (fresh optimizer), e.g. a loaded
+      base model for trajectory distillation; a resumed run ignores it.
 
   Returns:
     {"params", "step", "last_metrics", "seconds"}.
@@ -326,7 +328,10 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
     params, opt_state, start = restore(run_dir, tc, have, optimizer)
   else:
     params, opt_state = init_state(tc, optimizer)
-    if tc.init_from:
+    if init_params is not None:
+      params = jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32), init_params)  # a copy: donated
+      opt_state = optimizer.init(params)
+    elif tc.init_from:
       params, _, _ = restore(tc.init_from)
       opt_state = optimizer.init(params)
     start = 0

@@ -71,5 +71,5 @@ def test_curve_writes_table_and_plot(tmp_path):
   assert len(lines) == 2 * len(curve.SMOOTHING)
   for l in lines:
     cells = [c.strip() for c in l.strip("|").split("|")]
-    assert 0.0 <= float(cells[4]) <= 1.0 and float(cells[5]) > 0
+    assert 0.0 <= float(cells[5]) <= 1.0 and float(cells[6]) > 0  # after task, model, decoder, smoothing, threshold
   assert png.stat().st_size > 1000

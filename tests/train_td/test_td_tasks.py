@@ -12,10 +12,11 @@ from train_td.tasks import base
 
 ARITH = tasks.get_task("arithmetic")
 PROG = tasks.get_task("program")
+SORT = tasks.get_task("sort")
 
 
 def test_registry(monkeypatch):
-  assert {"arithmetic", "program"} <= set(tasks.task_names())
+  assert {"arithmetic", "program", "sort"} <= set(tasks.task_names())
   with pytest.raises(ValueError, match="name"):
     tasks.get_task("no-such-task")
   monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # keep the global registry clean
@@ -54,12 +55,16 @@ def test_problem_validated():
     tasks.ArithmeticTask(max_multiplier_digits=4)
   with pytest.raises(ValueError, match="n_shown"):
     tasks.ProgramTask(n_shown=1)
+  for kw, match in [(dict(digits=0), "digits"), (dict(min_len=1), "min_len"), (dict(max_len=65), "max_len"),
+                    (dict(min_len=9, max_len=8), "min_len=9")]:
+    with pytest.raises(ValueError, match=match):
+      tasks.SortTask(**kw)
   for bad in [(1.0, 2.0), (1.0, 0.0, 1.0), (1.0, float("nan"), 1.0), [1.0, 1.0, 1.0]]:
     with pytest.raises(ValueError, match="op_weights"):
       tasks.ArithmeticTask(op_weights=bad)
 
 
-@pytest.mark.parametrize("task", [ARITH, PROG], ids=lambda t: t.name)
+@pytest.mark.parametrize("task", [ARITH, PROG, SORT], ids=lambda t: t.name)
 def test_deterministic_for_a_seed(task):
   assert tasks.train_problems(task, 200, seed=3) == tasks.train_problems(task, 200, seed=3)
   assert tasks.train_problems(task, 200, seed=3) != tasks.train_problems(task, 200, seed=4)
@@ -176,8 +181,8 @@ def test_program_verifier():
     assert not PROG.check(p, wrong), wrong
 
 
-@pytest.mark.parametrize("task,n_train,n_test", [(ARITH, 20000, 300), (PROG, 6000, 300)],
-                         ids=["arithmetic", "program"])
+@pytest.mark.parametrize("task,n_train,n_test", [(ARITH, 20000, 300), (PROG, 6000, 300), (SORT, 5000, 300)],
+                         ids=["arithmetic", "program", "sort"])
 def test_train_and_test_are_disjoint(task, n_train, n_test):
   test = tasks.test_problems(task, n_test, seed=0)
   assert len({p.prompt for p in test}) == n_test
@@ -210,3 +215,40 @@ def test_check_all():
   assert tasks.check_all("arithmetic", problems, [p.answer for p in problems]) == [True] * 3
   with pytest.raises(ValueError, match="answers"):
     tasks.check_all("arithmetic", problems, [])
+
+
+def test_sort_problems_and_verifier():
+  seen_lengths = set()
+  for p in tasks.train_problems(SORT, 500, seed=0) + tasks.test_problems(SORT, 100):
+    assert p.prompt.startswith("sort:")
+    values = p.prompt[len("sort:"):].split(",")
+    assert all(len(v) == 1 and v.isdigit() for v in values)  # columns: every number 1 character wide
+    assert p.answer == ",".join(sorted(values))
+    assert p.split_keys == (f"sorted:{p.answer}",)
+    assert 23 <= len(p.answer) <= 47 == SORT.answer_chars and len(p.prompt) <= SORT.prompt_chars
+    seen_lengths.add(len(values))
+    assert SORT.check(p, p.answer) and SORT.check(p, f" {p.answer} ")
+    assert SORT.check(p, ",".join("0" + v for v in sorted(values)))  # zero padding is the same answer
+  assert seen_lengths == set(range(12, 25))
+  # The two-digit variant: zero-padded columns, which sort as strings like their integers.
+  two = tasks.SortTask(digits=2, min_len=8, max_len=16)
+  assert two.answer_chars == 47
+  for p in tasks.train_problems(two, 200, seed=0):
+    values = p.prompt[len("sort:"):].split(",")
+    assert all(len(v) == 2 for v in values) and p.answer == ",".join(sorted(values))
+    assert [int(v) for v in p.answer.split(",")] == sorted(int(v) for v in values)
+    assert two.check(p, ",".join(str(int(v)) for v in sorted(values)))
+  # A permutation that is not sorted, a dropped, extra or changed number, or any other text is wrong.
+  p = tasks.Problem(task="sort", prompt="sort:42,07,93,07", answer="07,07,42,93", split_keys=("k",))
+  for wrong in ["07,42,07,93", "07,42,93", "07,07,42,93,93", "07,07,42,94", "07 07 42 93", "7,7,42,93,",
+                "", "07,07,42,-93", "0" * 300, None]:
+    assert not SORT.check(p, wrong), wrong
+
+
+def test_sort_split_holds_out_every_order_of_a_list():
+  rng = np.random.default_rng(0)
+  for p in tasks.test_problems(SORT, 100, seed=0):
+    values = p.prompt[len("sort:"):].split(",")
+    shuffled = tasks.Problem(task="sort", prompt="sort:" + ",".join(rng.permutation(values)), answer=p.answer,
+                             split_keys=(f"sorted:{p.answer}",))
+    assert tasks.problem_split(SORT, shuffled) == "test"

@@ -17,7 +17,7 @@ def tok():
 @pytest.fixture(scope="module")
 def task_texts():
   texts = []
-  for name in ("arithmetic", "program"):
+  for name in ("arithmetic", "program", "sort"):
     for p in tasks.train_problems(name, 1000, seed=0) + tasks.test_problems(name, 100):
       texts += [p.prompt, p.answer, T.format_chat(p.prompt, p.answer)]
   return texts
@@ -99,6 +99,13 @@ QUESTIONS = [
     ("-4+5", "-4+5"),
     ("f(0..5)=2,5,8,11,14,17", "f(0..5)=2,5,8,11,14,17"),
     ("  f(0)=0;f(3)=9  ", "f(0)=0;f(3)=9"),
+    ("sort 4, 0 9", "sort:4,0,9"),
+    ("Sort: 5,3,1.", "sort:5,3,1"),
+    ("SORT\t9\n1,,1", "sort:9,1,1"),
+    ("sort:7,4", "sort:7,4"),
+    ("sort 10, 2", "sort 10, 2"),  # too wide for the columns: left as typed
+    ("sort the numbers 3 1", "sort the numbers 3 1"),
+    ("sort", "sort"),
 ]
 
 
@@ -109,8 +116,12 @@ def test_format_prompt(question, prompt):
   assert T.format_chat(question, "7") == f"<|user|>{prompt}<|assistant|>7<|eos|>"
 
 
+def test_sort_columns_match_the_task():
+  assert T.SORT_DIGITS == tasks.get_task("sort").digits
+
+
 def test_format_prompt_is_identity_on_task_prompts():
-  for name in ("arithmetic", "program"):
+  for name in ("arithmetic", "program", "sort"):
     for p in tasks.train_problems(name, 500, seed=1):
       assert T.format_prompt(p.prompt) == p.prompt
 
@@ -152,8 +163,10 @@ def test_chat_template_matches_format_chat(tmp_path):
                   False) == T.format_chat(question, "42")
   # Both implementations agree on arbitrary mixtures of the pieces they rewrite.
   pieces = list("0123456789+-*x =?!.\n\t") + ["what is ", "What's ", "plus", "minus", "times", " X ",
-                                              "f(", "\u00d7", "multiplied by", "\u00e9", "How much is"]
+                                              "f(", "\u00d7", "multiplied by", "\u00e9", "How much is",
+                                              ",", ":", "123"]
   rng = random.Random(0)
-  for _ in range(400):
+  for k in range(600):
     q = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
+    q = rng.choice(["sort ", "Sort:", "sort"]) + q if k % 2 else q
     assert render([{"role": "user", "content": q}], True) == T.format_chat(q), repr(q)

@@ -1,0 +1,71 @@
+"""The TD variant of a base model in one command: collect golden trajectories per task, train --td, export.
+
+  python -m train_td distill --base default --out dinfer_jax/assets/default-td --work /work/runs/td \
+      [--tasks arithmetic,program,sort] [--n arithmetic=20000,...] [--steps 1500 ...]
+
+Every stage resumes: collect skips finished shards (under jax.distributed each process collects its share;
+the training and export stages are single-process), the run resumes from its last checkpoint, export
+rewrites the output. Trajectories are decoded with the base model's own generation settings
+(generation_config.json and its prompt rules), the setting the TD model is then evaluated at; the export
+ships the same generation_config.json, so base and TD decode identically unless told otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+from train_td import tokenizer as tok_lib
+
+
+def parse_counts(spec: str, tasks: list[str]) -> dict[str, int]:
+  counts = {}
+  for item in (s for s in spec.split(",") if s):
+    name, _, v = item.partition("=")
+    if not v.isdigit():
+      raise ValueError(f"--n: expected TASK=N items, got {item!r}")
+    counts[name] = int(v)
+  missing = [t for t in tasks if t not in counts]
+  if missing:
+    raise ValueError(f"--n gives no count for task(s) {missing}")
+  return counts
+
+
+def main(args) -> int:
+  import dataclasses
+  import jax
+  import dinfer_jax
+  from dinfer_jax.cli import _read_generation_file, generation_config
+  from train_td import collect, export, tasks as tasks_lib, td_train
+  tasks = [t for t in args.tasks.split(",") if t]
+  for t in tasks:
+    tasks_lib.get_task(t)
+  counts = parse_counts(args.n, tasks)
+  work = pathlib.Path(args.work)
+  base = dinfer_jax.load(args.base)
+  t0 = time.time()
+  stages = {}
+  dirs = []
+  for t in tasks:
+    probe = tasks_lib.train_problems(t, 1, seed=args.seed)[0]
+    gcfg = generation_config(argparse.Namespace(), base.path, tok_lib.format_chat(probe.prompt))
+    cc = collect.CollectConfig(model=args.base, task=t, n=counts[t], seed=args.seed, batch=args.batch,
+                               generation=tuple(sorted(dataclasses.asdict(gcfg).items())))
+    d = work / "data" / t
+    ts = time.time()
+    got = collect.collect(base, cc, d, progress=not args.no_progress, process_index=jax.process_index(),
+                          process_count=jax.process_count())
+    stages[f"collect_{t}"] = dict(got, seconds=round(time.time() - ts, 1))
+    dirs.append(str(d))
+  tdc = td_train.TDConfig(data=",".join(dirs), base=args.base, mdm_weight=args.mdm_weight, cf_weight=args.cf_weight)
+  ts = time.time()
+  run = work / "run"
+  out = td_train.train(tdc, run, progress=not args.no_progress, steps=args.steps, batch_size=args.batch_size,
+                       lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, ckpt_every=max(1, args.steps // 6),
+                       log_every=10)
+  stages["train"] = {"step": out["step"], "seconds": round(time.time() - ts, 1)}
+  gen = _read_generation_file(base.path) or None
+  stages["export"] = export.export_run(run, args.out, generation_config=gen)
+  print(json.dumps({"stages": stages, "seconds": round(time.time() - t0, 1), "out": args.out}))
+  return 0

@@ -1,0 +1,87 @@
+"""Trajectory-distillation runs: the same trainer, the TD loss, golden-trajectory batches, base-model init.
+
+  python -m train_td train RUN_DIR --td DATA[,DATA...] [--base default] [--mdm-weight W] [--cf-weight W]
+      [--steps N --batch-size B --lr LR ...]
+
+The model's architecture is the base model's (its config.json); the run starts from the base weights with
+a fresh optimizer. `td_config.json` in the run directory records the TD settings next to train_config.json,
+and a resumed run must match both; batches are a pure function of (seed, step) over the loaded shards
+(td_data.TDData) and the step rng is the trainer's, so an interrupted run resumed from a checkpoint ends
+with the same bytes as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any
+
+from dinfer_jax.config import ModelConfig
+from train_td import objective, td_data, trainer
+
+TD_CONFIG = "td_config.json"
+ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_experts", "n_experts_per_tok", "expert_ffn_dim",
+               "max_position", "rope_theta")
+
+
+@dataclasses.dataclass(frozen=True)
+class TDConfig:
+  """data: collect directories (comma-separated); base: the model distilled (directory or "default");
+  mdm_weight: weight of the masked-diffusion loss mixed in; cf_weight: weight of certainty forcing."""
+  data: str
+  base: str = "default"
+  mdm_weight: float = 0.0
+  cf_weight: float = 0.0
+
+  def __post_init__(self):
+    if not self.data:
+      raise ValueError("TDConfig.data: give at least one collect directory")
+    for f in ("mdm_weight", "cf_weight"):
+      v = getattr(self, f)
+      if not isinstance(v, (int, float)) or v < 0:
+        raise ValueError(f"TDConfig.{f} must be a number >= 0, got {v!r}")
+
+
+def train_config_for(mcfg: ModelConfig, **overrides) -> trainer.TrainConfig:
+  """A TrainConfig whose model is `mcfg` (a llada_moe model of train_td's shape), with other fields given."""
+  arch = dict(d_model=mcfg.d_model, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads, n_experts=mcfg.n_experts,
+              n_experts_per_tok=mcfg.n_experts_per_tok, expert_ffn_dim=mcfg.expert_ffn_dim,
+              max_position=mcfg.max_position, rope_theta=mcfg.rope_theta)
+  tc = trainer.TrainConfig(**{**overrides, **arch})
+  got = tc.model_config()
+  if dataclasses.replace(got, moe_impl=mcfg.moe_impl) != mcfg:
+    raise ValueError(f"base model config {mcfg} is not one train_td can train (it builds {got})")
+  return tc
+
+
+def _check_td_config(run_dir: pathlib.Path, tdc: TDConfig) -> None:
+  f = run_dir / TD_CONFIG
+  if f.exists():
+    saved = json.loads(f.read_text())
+    if saved != dataclasses.asdict(tdc):
+      raise ValueError(f"{f} differs from this run's TD settings ({saved}); use a new run directory")
+  else:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_name(f".{TD_CONFIG}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(dataclasses.asdict(tdc), indent=2) + "\n")
+    os.replace(tmp, f)
+
+
+def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, progress: bool = True,
+          stop_at: int | None = None, **train_overrides) -> dict[str, Any]:
+  """Runs (or resumes) a TD run; `train_overrides` are TrainConfig fields (steps, lr, batch_size, ...)."""
+  import dinfer_jax
+  base = dinfer_jax.load(tdc.base)
+  tc = train_config_for(base.config, **train_overrides)
+  data = td_data.TDData.load(tdc.data, tc.batch_size, tc.seed)  # bad data fails before anything is written
+  for task, rows in data.rows.items():
+    if rows.tokens.shape[1] > base.config.max_position:
+      raise ValueError(f"trajectories of {task} need {rows.tokens.shape[1]} positions, more than the base "
+                       f"model's max_position={base.config.max_position}")
+  run_dir = pathlib.Path(run_dir)
+  _check_td_config(run_dir, tdc)
+  loss_fn = objective.make_td_loss_fn(tc.model_config(), mdm_weight=tdc.mdm_weight, cf_weight=tdc.cf_weight,
+                                      eps=tc.eps_t, moe_impl=tc.moe_impl)
+  return trainer.train(tc, run_dir, resume=resume, loss_fn=loss_fn, get_batch=data.get_batch, progress=progress,
+                       stop_at=stop_at, init_params=base.params)
