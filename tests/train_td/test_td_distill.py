@@ -247,14 +247,14 @@ def test_td_batches_and_base_init(td_data_dir, tiny_model_dir, tmp_path):
   assert set(b1) == {"tokens", "valid", "positions", "answer", "reveal", "n_steps"}
   assert (b1["reveal"][~b1["answer"]] == 0).all() and (b1["reveal"][b1["answer"]] >= 1).all()
   assert (b1["reveal"].max(-1) <= b1["n_steps"]).all()
-  # Zero steps of training leaves the base model's weights: the run starts from them.
+  # Stopped before its first step, a run holds the base model's weights: the run starts from them.
   out = td_train.train(td_train.TDConfig(data=str(td_data_dir), base=str(tiny_model_dir)), tmp_path / "r0",
-                       progress=False, **{**KW, "steps": 1, "lr": 0.0})
+                       progress=False, stop_at=0, **{**KW, "steps": 1})
   base = dinfer_jax.load(tiny_model_dir)
   assert leaves_bytes(out["params"]) == leaves_bytes(base.params)
   with pytest.raises(ValueError, match="TD settings"):
     td_train.train(td_train.TDConfig(data=str(td_data_dir), base=str(tiny_model_dir), cf_weight=1.0),
-                   tmp_path / "r0", progress=False, **{**KW, "steps": 1, "lr": 0.0})
+                   tmp_path / "r0", progress=False, **{**KW, "steps": 1})
 
 
 def test_td_run_killed_and_resumed_ends_byte_identical(td_data_dir, tiny_model_dir, tmp_path):
