@@ -36,6 +36,13 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "cache_len": None,
 }
 
+# Logical axes of the generation state (the engine constrains its loop carry with these, so the KV cache
+# and the canvas stay split by batch rows on "data" and the cache's kv heads on "tensor" for the whole loop).
+CANVAS_AXES = ("act_batch", "act_len")  # canvas, valid, positions, commit steps
+EMBED_AXES = ("act_batch", "act_len", "act_embed")  # the soft-embedding canvas of iteration smoothing
+CACHE_AXES = ("layers", "act_batch", "cache_len", "kv_heads", "head_dim")  # KVCache.k / .v
+ROW_AXES = ("act_batch",)  # per-row counters, and the leading axis of every decoder-state leaf
+
 _CURRENT: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("dinfer_jax_mesh", default=None)
 
 
@@ -68,12 +75,48 @@ def param_shardings(abstract_tree: Any, axes_tree: Any, mesh: Mesh) -> Any:
                                 abstract_tree, axes_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def data_size(mesh: Mesh | None) -> int:
+  """How many ways the batch rows are split (1 without a mesh)."""
+  return 1 if mesh is None else mesh.shape["data"]
+
+
+def named(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> NamedSharding:
+  """The NamedSharding of an array of this shape with these logical axes."""
+  return NamedSharding(mesh, spec_for(axes, mesh, shape))
+
+
+def row_sharded(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+  """Batch rows (axis 0) on "data", everything else replicated."""
+  return named(mesh, ROW_AXES + (None,) * (len(shape) - 1), shape)
+
+
+def put_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A host array that every process holds in full -> a global jax.Array with this sharding; each process
+  only copies the shards of its own devices (so it also works when the mesh spans several processes)."""
+  host = np.asarray(host)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """The full value of a (possibly multi-process) global array on every process."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh | None):
-  """Activation constraints inside the forward (`shard`) refer to this mesh while tracing."""
+  """Activation constraints inside the forward (`shard`) refer to this mesh while tracing. jax.set_mesh is
+  entered too so the mesh is part of jit's trace-cache key: a program traced under one mesh is never reused
+  under another."""
   token = _CURRENT.set(mesh)
   try:
-    yield mesh
+    if mesh is None:
+      yield mesh
+    else:
+      with jax.set_mesh(mesh):
+        yield mesh
   finally:
     _CURRENT.reset(token)
 
@@ -88,3 +131,8 @@ def shard(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   if mesh is None or mesh.size == 1:
     return x
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(axes, mesh, x.shape)))
+
+
+def shard_rows(tree: Any) -> Any:
+  """Constrains every array leaf of a pytree to batch rows (its leading axis) on "data"."""
+  return jax.tree_util.tree_map(lambda x: shard(x, ROW_AXES + (None,) * (x.ndim - 1)) if x.ndim else x, tree)

@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax import decoders
+from dinfer_jax import decoders, sharding
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.layout import Layout, make_layout, normalize_prompts
+from dinfer_jax.engine.layout import Layout, make_layout, normalize_prompts, round_up
+from dinfer_jax.model import params as params_lib
 from dinfer_jax.sharding import use_mesh
 
 
@@ -73,11 +75,16 @@ def engine_mode(mcfg: ModelConfig, gcfg: GenerationConfig) -> tuple[str, bool]:
   return gcfg.cache, False
 
 
-def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig) -> tuple[Layout, dict[str, Any]]:
-  """Validates and lays out the prompts; returns the layout and the static arguments of the program."""
+def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *,
+            row_multiple: int = 1) -> tuple[Layout, dict[str, Any]]:
+  """Validates and lays out the prompts; returns the layout and the static arguments of the program.
+  row_multiple: the canvas gets a multiple of this many rows (the data-parallel width: every device takes
+  an equal share; the added rows are invalid and never decode)."""
   mode, block_causal = engine_mode(mcfg, gcfg)
   prompts = normalize_prompts(prompts)
-  lay = make_layout(prompts, gcfg, mcfg, block_diffusion=block_causal or mode == "block_diffusion")
+  rows = round_up(len(prompts), row_multiple) if row_multiple > 1 else None
+  lay = make_layout(prompts, gcfg, mcfg, block_diffusion=block_causal or mode == "block_diffusion",
+                    batch_bucket=rows)
   mask_id = gcfg.mask_id if gcfg.mask_id is not None else mcfg.mask_token_id
   eos_id = gcfg.eos_id if gcfg.eos_id is not None else mcfg.eos_token_id
   static = dict(mcfg=mcfg, gcfg=gcfg, grid=lay.grid, decoder=decoder_for(gcfg, mcfg.vocab_size), mode=mode,
@@ -85,20 +92,48 @@ def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig) -> tuple[Layout,
   return lay, static
 
 
-def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *, seed: int = 0):
-  """Runs the program; returns (layout, device outputs) without host post-processing (for benchmarks)."""
-  lay, static = prepare(mcfg, prompts, gcfg)
-  out = loop.run_jit()(params, jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions),
-                       jax.random.PRNGKey(seed), **static)
+def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *, seed: int = 0,
+                    mesh: jax.sharding.Mesh | None = None):
+  """Runs the program; returns (layout, device outputs) without host post-processing (for benchmarks).
+  With a mesh the program runs with explicit in/out shardings (see sharded_run)."""
+  lay, static = prepare(mcfg, prompts, gcfg, row_multiple=sharding.data_size(mesh))
+  if mesh is None:
+    out = loop.run_jit()(params, jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions),
+                         jax.random.PRNGKey(seed), **static)
+    return lay, out, static
+  p_sh = sharding.param_shardings(params, params_lib.logical_axes(mcfg), mesh)
+  leaves, treedef = jax.tree_util.tree_flatten(p_sh)
+  rows = sharding.row_sharded(mesh, lay.canvas.shape)
+  args = [sharding.put_global(a, rows) for a in (lay.canvas, lay.valid, lay.positions)]
+  with use_mesh(mesh):
+    key = sharding.put_global(np.asarray(jax.random.PRNGKey(seed)),
+                              jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    out = sharded_run(mesh, treedef, tuple(leaves), tuple(sorted(static.items())))(params, *args, key)
   return lay, out, static
 
 
+@functools.cache
+def sharded_run(mesh: jax.sharding.Mesh, param_treedef, param_leaf_shardings: tuple, static: tuple):
+  """The generation program with explicit shardings: params as the logical-axis rules place them; canvas,
+  valid, positions and the per-row outputs split by batch rows on "data"; counters replicated. On
+  accelerators the canvas and positions buffers are donated (they alias the canvas and commit outputs).
+  static: loop.run's static arguments as sorted (name, value) pairs (bound here: jit takes no keyword
+  arguments once in_shardings are given), so one compiled program per mesh, param layout and shape bucket."""
+  p_sh = jax.tree_util.tree_unflatten(param_treedef, param_leaf_shardings)
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  outs = {"canvas": rows, "commit": rows, "row_nfe": rows, "nfe": repl, "n_full": repl, "n_cached": repl}
+  donate = (1, 3) if jax.default_backend() != "cpu" else ()
+  return jax.jit(functools.partial(loop.run, **dict(static)), in_shardings=(p_sh, rows, rows, rows, repl),
+                 out_shardings=outs, donate_argnums=donate)
+
+
 def collect(lay: Layout, out: dict, n_rows: int, eos_id: int) -> GenerationResult:
-  canvas = np.asarray(out["canvas"])
-  commit = np.asarray(out["commit"])
-  row_nfe = np.asarray(out["row_nfe"])
-  res = GenerationResult([], [], [], [], int(out["nfe"]), [], [], {"full": int(out["n_full"]),
-                                                                      "cached": int(out["n_cached"])})
+  canvas = sharding.to_host(out["canvas"])
+  commit = sharding.to_host(out["commit"])
+  row_nfe = sharding.to_host(out["row_nfe"])
+  scalar = lambda k: int(sharding.to_host(out[k]))
+  res = GenerationResult([], [], [], [], scalar("nfe"), [], [], {"full": scalar("n_full"), "cached": scalar("n_cached")})
   for r in range(n_rows):
     pad, P, end = int(lay.pad[r]), int(lay.prompt_len[r]), int(lay.end[r])
     row = canvas[r, pad:end].tolist()
@@ -124,6 +159,5 @@ def generate(model, prompts, config: GenerationConfig | None = None, *, seed: in
   params, mcfg = (model.params, model.config) if hasattr(model, "params") else model
   gcfg = config or GenerationConfig()
   prompts = normalize_prompts(prompts)
-  with use_mesh(getattr(model, "mesh", None)):
-    lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed)
+  lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed, mesh=getattr(model, "mesh", None))
   return collect(lay, out, len(prompts), static["eos_id"])
