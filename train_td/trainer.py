@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dinfer_jax import sharding
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import params as params_lib
 from train_td import data as data_lib
@@ -129,8 +130,8 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
       optax.adamw(make_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=_decay_mask))
 
 
-def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransformation):
-  """Jitted (params, opt_state, batch, rng) -> (params, opt_state, metrics); params and opt_state donated."""
+def step_function(loss_fn: objective.LossFn, optimizer: optax.GradientTransformation):
+  """The un-jitted (params, opt_state, batch, rng) -> (params, opt_state, metrics) of any loss."""
 
   def step(params, opt_state, batch, rng):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
@@ -139,14 +140,28 @@ def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransfor
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
     return params, opt_state, metrics
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  return step
+
+
+def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransformation, *,
+                    mesh: jax.sharding.Mesh | None = None, cfg: ModelConfig | None = None):
+  """Jitted (params, opt_state, batch, rng) -> (params, opt_state, metrics); params and opt_state donated.
+  With a mesh (and the model config, which decides the weights' shardings) it is the data + model
+  parallel step of train_td.parallel (its place_state puts fresh or restored state onto the mesh)."""
+  step = step_function(loss_fn, optimizer)
+  if mesh is None:
+    return jax.jit(step, donate_argnums=(0, 1))
+  from train_td import parallel
+  if cfg is None:
+    raise ValueError("make_train_step: a mesh needs the model config (cfg=) to shard the params")
+  return parallel.ShardedStep(step, cfg, optimizer, mesh)
 
 
 @functools.lru_cache(maxsize=8)
-def _default_step(tc: TrainConfig):
+def _default_step(tc: TrainConfig, mesh: jax.sharding.Mesh | None = None):
   # One compiled step per config: runs of the same config in one process (tests, resume) reuse it.
   return make_train_step(objective.make_loss_fn(tc.model_config(), eps=tc.eps_t, moe_impl=tc.moe_impl),
-                         make_optimizer(tc))
+                         make_optimizer(tc), mesh=mesh, cfg=tc.model_config())
 
 
 def init_state(tc: TrainConfig, optimizer=None):
@@ -202,7 +217,8 @@ def load_train_config(run_dir: os.PathLike) -> TrainConfig:
 def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
           loss_fn: objective.LossFn | None = None,
           get_batch: Callable[[int], tuple[str, dict]] | None = None,
-          progress: bool = True, stop_at: int | None = None) -> dict[str, Any]:
+          progress: bool = True, stop_at: int | None = None,
+          mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
   """Trains (or resumes) a run.
 
   Args:
@@ -214,6 +230,9 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
     progress: show a tqdm bar.
     stop_at: stop (with a checkpoint) after this step instead of tc.steps (the schedule still spans
       tc.steps; used to test resuming).
+    mesh: run the step data + model parallel on this (data, tensor, expert) mesh (sharding.make_mesh;
+      it may span several processes after jax.distributed.initialize); batch_size must be a multiple of
+      its data axis.
 
   Returns:
     {"params", "step", "last_metrics", "seconds"}.
@@ -237,7 +256,8 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   optimizer = make_optimizer(tc)
   if get_batch is None:
     get_batch = lambda s: data_lib.get_batch(dcfg, s)  # noqa: E731
-  step_fn = _default_step(tc) if loss_fn is None else make_train_step(loss_fn, optimizer)
+  step_fn = (_default_step(tc, mesh) if loss_fn is None
+             else make_train_step(loss_fn, optimizer, mesh=mesh, cfg=tc.model_config()))
 
   have = latest_step(run_dir)
   if resume and have is None:
@@ -252,6 +272,8 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
       params, _, _ = restore(tc.init_from)
       opt_state = optimizer.init(params)
     start = 0
+  if mesh is not None:
+    params, opt_state = step_fn.place_state(params, opt_state)
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
   base_key = jax.random.PRNGKey(tc.seed)
   schedule = make_schedule(tc)
@@ -268,7 +290,7 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
         params, opt_state, metrics = step_fn(params, opt_state, batch, jax.random.fold_in(base_key, s))
         done = s + 1
         if done % tc.log_every == 0 or done == end:
-          m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+          m = {k: float(sharding.to_host(v)) for k, v in metrics.items()}
           now = time.time()
           tps = window_tokens / max(now - window_t, 1e-9)
           window_tokens, window_t = 0, now
