@@ -109,13 +109,19 @@ def _piece(model, t: int) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+  import jax
+
   import dinfer_jax
-  model = dinfer_jax.load(args.model, dtype=args.dtype)
+  from dinfer_jax.sharding import setup_parallel
+  mesh = setup_parallel(args)
+  model = dinfer_jax.load(args.model, dtype=args.dtype, mesh=mesh)
   gcfg = generation_config(args, model.path)
   ids = encode_prompts(model, args.prompts, raw=args.raw)
   t = time.perf_counter()
   res = dinfer_jax.generate(model, ids, gcfg, seed=args.seed)
   dt = time.perf_counter() - t
+  if jax.process_index() != 0:  # every process holds the gathered result; one prints it
+    return 0
   for r, prompt in enumerate(args.prompts):
     if len(args.prompts) > 1:
       print(f"### {prompt}")
@@ -142,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--show-steps", action="store_true", help="print the canvas after every forward")
   g.add_argument("-v", "--verbose", action="store_true")
   add_generation_flags(g)
+  from dinfer_jax.sharding import add_parallel_flags
+  add_parallel_flags(g)
   g.set_defaults(func=cmd_generate)
   try:
     from dinfer_jax.bench import cli as bench_cli  # registered when the benchmark module is present

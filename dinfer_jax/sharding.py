@@ -47,12 +47,61 @@ _CURRENT: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("dinfer_j
 
 
 def make_mesh(*, data: int = 1, tensor: int = 1, expert: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, tensor, expert) mesh over the first data*tensor*expert devices."""
+  """A (data, tensor, expert) mesh over the first data*tensor*expert devices.
+
+  Devices are ordered by (process, id), so with several processes (one per host) tensor and expert groups
+  stay inside a host (fast links) and the data axis is what crosses hosts."""
+  for name, n in (("data", data), ("tensor", tensor), ("expert", expert)):
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f"make_mesh: {name}={n!r} must be a positive int")
   devices = list(devices if devices is not None else jax.devices())
+  devices.sort(key=lambda d: (d.process_index, d.id))
   n = data * tensor * expert
   if n > len(devices):
     raise ValueError(f"make_mesh: data*tensor*expert = {n} devices requested, only {len(devices)} available")
   return Mesh(np.array(devices[:n]).reshape(data, tensor, expert), MESH_AXES)
+
+
+# ----------------------------------------------------------------------------- command lines
+def add_parallel_flags(ap) -> None:
+  """--mesh and the multi-process flags (one process per host, jax.distributed) of a command line."""
+  g = ap.add_argument_group("parallelism (sharding.make_mesh; several processes with jax.distributed)")
+  g.add_argument("--mesh", default=None, metavar="data=D,tensor=T,expert=E",
+                 help="device mesh; default: none on one process, data=<all devices> on several")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="jax.distributed coordinator (process 0's address); enables multi-process")
+  g.add_argument("--num-processes", type=int, default=None)
+  g.add_argument("--process-id", type=int, default=None)
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+  """'data=2,tensor=4' -> {'data': 2, 'tensor': 4}."""
+  out = {}
+  for item in spec.split(","):
+    name, _, val = item.partition("=")
+    name = name.strip()
+    if name not in MESH_AXES or not val.strip().isdigit() or int(val) < 1:
+      raise ValueError(f"--mesh: bad item {item!r}; expected comma-separated {'/'.join(MESH_AXES)}=<positive int>")
+    out[name] = int(val)
+  return out
+
+
+def setup_parallel(args) -> Mesh | None:
+  """Starts jax.distributed when --coordinator is given and returns the mesh the flags ask for."""
+  if args.coordinator is not None:
+    if args.num_processes is None or args.process_id is None:
+      raise ValueError("--coordinator needs --num-processes and --process-id")
+    if not 0 <= args.process_id < args.num_processes:
+      raise ValueError(f"--process-id {args.process_id} is outside [0, --num-processes={args.num_processes})")
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+  elif args.num_processes is not None or args.process_id is not None:
+    raise ValueError("--num-processes/--process-id need --coordinator")
+  if args.mesh:
+    return make_mesh(**parse_mesh(args.mesh))
+  if jax.process_count() > 1:
+    return make_mesh(data=jax.device_count())
+  return None
 
 
 def spec_for(axes: tuple[str | None, ...], mesh: Mesh, shape: tuple[int, ...] | None = None) -> P:

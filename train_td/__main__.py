@@ -30,19 +30,29 @@ def _add_train(sub):
                      help="training frequency of +,-,* (default %(default)s), e.g. 1,1,2")
       continue
     p.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=type(f.default), default=f.default)
+  from dinfer_jax.sharding import add_parallel_flags
+  add_parallel_flags(p)
   p.set_defaults(func=cmd_train)
 
 
 def cmd_train(args) -> int:
+  import jax
+
+  from dinfer_jax.sharding import setup_parallel
+  mesh = setup_parallel(args)  # before any JAX computation (jax.distributed.initialize requires it)
   from train_td import trainer
   kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.TrainConfig) if f.name != "mix"}
   if args.mix:
     kw["mix"] = tuple((n, float(w)) for n, w in (item.split("=") for item in args.mix.split(",")))
   tc = trainer.TrainConfig(**kw)
   from dinfer_jax.model.params import count_params
-  print(f"model: {tc.model_config()}", file=sys.stderr)
-  print(f"params: {count_params(tc.model_config())}", file=sys.stderr)
-  out = trainer.train(tc, args.run_dir, resume=True if args.resume else None, progress=not args.no_progress)
+  if jax.process_index() == 0:
+    print(f"model: {tc.model_config()}", file=sys.stderr)
+    print(f"params: {count_params(tc.model_config())}", file=sys.stderr)
+  out = trainer.train(tc, args.run_dir, resume=True if args.resume else None,
+                      progress=not args.no_progress and jax.process_index() == 0, mesh=mesh)
+  if jax.process_index() != 0:
+    return 0
   print(json.dumps({"step": out["step"], "seconds": round(out["seconds"], 1), **out["last_metrics"]}))
   return 0
 

@@ -188,8 +188,10 @@ def latest_step(run_dir: os.PathLike) -> int | None:
 
 
 def restore(run_dir: os.PathLike, tc: TrainConfig | None = None, step: int | None = None,
-            optimizer=None) -> tuple[Any, Any, int]:
-  """(params, opt_state, step) from a run directory's checkpoint (latest unless `step`)."""
+            optimizer=None, shardings: tuple[Any, Any] | None = None) -> tuple[Any, Any, int]:
+  """(params, opt_state, step) from a run directory's checkpoint (latest unless `step`).
+  shardings: (params, opt_state) sharding trees to restore onto (a mesh run's, train_td.parallel);
+  default: the first local device, whatever topology the checkpoint was saved from."""
   import orbax.checkpoint as ocp
   run_dir = pathlib.Path(run_dir)
   tc = tc or load_train_config(run_dir)
@@ -200,7 +202,12 @@ def restore(run_dir: os.PathLike, tc: TrainConfig | None = None, step: int | Non
   abstract_params = params_lib.abstract_params(cfg, jnp.float32)
   optimizer = optimizer or make_optimizer(tc)
   abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-  target = {"params": abstract_params, "opt_state": abstract_opt}
+  if shardings is None:
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shardings = tuple(jax.tree_util.tree_map(lambda _: one, t) for t in (abstract_params, abstract_opt))
+  with_sharding = lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)  # noqa: E731
+  target = {"params": jax.tree_util.tree_map(with_sharding, abstract_params, shardings[0]),
+            "opt_state": jax.tree_util.tree_map(with_sharding, abstract_opt, shardings[1])}
   mngr = _manager(run_dir, tc)
   try:
     state = mngr.restore(step, args=ocp.args.StandardRestore(target))
@@ -250,7 +257,7 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
     saved = load_train_config(run_dir)
     if saved != tc:
       raise ValueError(f"{cfg_path} differs from this run's config; use a new run directory")
-  else:
+  elif jax.process_index() == 0:  # one writer when several processes share the run directory
     cfg_path.write_text(json.dumps(tc.to_json(), indent=2) + "\n")
 
   optimizer = make_optimizer(tc)
@@ -265,15 +272,16 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   if resume is False and have is not None:
     raise FileExistsError(f"{run_dir} already has checkpoints (step {have}); resume or use a new directory")
   if have is not None:
-    params, opt_state, start = restore(run_dir, tc, have, optimizer)
+    state_sh = None if mesh is None else (step_fn.param_shardings, step_fn.opt_shardings)
+    params, opt_state, start = restore(run_dir, tc, have, optimizer, shardings=state_sh)
   else:
     params, opt_state = init_state(tc, optimizer)
     if tc.init_from:
       params, _, _ = restore(tc.init_from)
       opt_state = optimizer.init(params)
     start = 0
-  if mesh is not None:
-    params, opt_state = step_fn.place_state(params, opt_state)
+    if mesh is not None:
+      params, opt_state = step_fn.place_state(params, opt_state)
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
   base_key = jax.random.PRNGKey(tc.seed)
   schedule = make_schedule(tc)
@@ -296,8 +304,9 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
           window_tokens, window_t = 0, now
           last = dict(step=done, task=tag, lr=float(schedule(s)), tokens_per_s=tps,
                       elapsed_s=now - t_start, **m)
-          mf.write(json.dumps(last) + "\n")
-          mf.flush()
+          if jax.process_index() == 0:
+            mf.write(json.dumps(last) + "\n")
+            mf.flush()
           bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m.get('masked_acc', float('nan')):.3f}",
                           tok_s=f"{tps:.0f}")
         bar.update(1)
