@@ -74,3 +74,20 @@ def test_train_on_two_processes_equals_one(tmp_path):
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)):
     x, y = np.asarray(x), np.asarray(y)
     assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max(), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--mesh", "data=2,pipeline=4"], "--mesh: bad item 'pipeline=4'"),
+    (["--mesh", "tensor=0"], "--mesh: bad item 'tensor=0'"),
+    (["--coordinator", "127.0.0.1:1"], "--coordinator needs --num-processes and --process-id"),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+     "--process-id 2 is outside [0, --num-processes=2)"),
+    (["--process-id", "1"], "--num-processes/--process-id need --coordinator"),
+    (["--mesh", "data=16"], "16 devices requested, only 8 available"),
+])
+def test_parallel_flags_fail_with_one_line(argv, msg, capsys):
+  if len(jax.devices()) != 8:
+    pytest.skip("the device count in the message assumes 8 fake devices")
+  assert cli.main(GEN_ARGS[:2] + ["--model", str(MODEL_DIRS["A"])] + argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: ") and msg in err and "\n" not in err, err
