@@ -44,8 +44,7 @@ def _two_processes(module: str, args: list[str], timeout: int = 600) -> list[str
     for p in procs:
       out, err = p.communicate(timeout=timeout)
       assert p.returncode == 0, err[-3000:]
-      # Gloo (the CPU collectives) reports its connections on stdout from C++; that is not our output.
-      outs.append("".join(ln for ln in out.splitlines(keepends=True) if not ln.startswith("[Gloo]")))
+      outs.append(out)
   finally:
     for p in procs:
       if p.poll() is None:
@@ -58,8 +57,10 @@ def test_generate_on_two_processes_equals_one(capsys):
   single = capsys.readouterr().out
   assert "### 1,2" in single
   p0, p1 = _two_processes("dinfer_jax.cli", GEN_ARGS + ["--mesh", "data=4,tensor=2"])
-  assert p0 == single  # tokens and every step's commits (--show-steps), printed by process 0
-  assert p1 == ""
+  # Gloo (the CPU collectives) reports its connections on stdout from C++ threads, interleaved, while the
+  # processes connect (before the result is gathered); our output starts at the first prompt header.
+  assert "### " in p0 and "### " not in p1
+  assert p0[p0.index("### "):] == single  # tokens and every step's commits (--show-steps), from process 0
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ Meshes: 1; tensor 2; expert 4; tensor 2 x expert 4; data 2 x tensor 4; data 8. T
 match to 1e-5 of their scale (fp32; tensor/expert parallelism only reorders sums), generation must give
 identical tokens, commit steps and NFE (every decoder, the caches incl. dual + vicinity, smoothing,
 sampling, block diffusion, a ragged batch that does not divide the data axis). The default run covers
-every mesh and every case once (mesh i takes case i); -m slow runs the full 6 x 6 matrix.
+every mesh and every case once (mesh i takes case i) and the forward on the three 8-device meshes; -m slow
+runs the full 6 x 6 matrix and the forward on every mesh.
 """
 import functools
 
@@ -85,7 +86,8 @@ def _forward_case(name):
   return x, np.asarray(dinfer_jax.forward(dinfer_jax.load(GOLDEN / "forward" / name), x))
 
 
-@pytest.mark.parametrize("mesh_name", _MESH_NAMES)
+@pytest.mark.parametrize("mesh_name", [m if m in ("t2e4", "d2t4", "d8") else pytest.param(m, marks=pytest.mark.slow)
+                                       for m in _MESH_NAMES])
 def test_sharded_forward_equals_single_device(mesh_name):
   _need_8()
   mesh = _mesh(mesh_name)
