@@ -78,6 +78,12 @@ print("MAXRSS_KIB", ru.ru_maxrss, os.waitstatus_to_exitcode(status), file=sys.st
 
 def peak_rss(cmd: list[str]) -> tuple[int, float]:
   """Runs cmd, returns (its max RSS in bytes, seconds). Raises if it fails."""
+  rss, secs, _ = peak_rss_out(cmd)
+  return rss, secs
+
+
+def peak_rss_out(cmd: list[str]) -> tuple[int, float, str]:
+  """peak_rss, and the command's stdout."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   t0 = time.time()
@@ -85,7 +91,42 @@ def peak_rss(cmd: list[str]) -> tuple[int, float]:
   tail = [ln for ln in r.stderr.splitlines() if ln.startswith("MAXRSS_KIB")]
   if r.returncode != 0 or not tail or tail[-1].split()[2] != "0":
     raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}")
-  return int(tail[-1].split()[1]) * 1024, time.time() - t0  # Linux reports KiB
+  return int(tail[-1].split()[1]) * 1024, time.time() - t0, r.stdout  # Linux reports KiB
+
+
+# dinfer_jax.load onto a mesh of 8 fake CPU devices. A fake device's memory is host memory, so the placed
+# shards count in the RSS: the child reports the bytes of their distinct buffers and the
+# transient cost of loading is peak - baseline - resident.
+_MESH_LOAD = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, dinfer_jax
+mesh = dinfer_jax.make_mesh(tensor=2, expert=4)
+if sys.argv[1] != "-":
+  m = dinfer_jax.load(sys.argv[1], dtype="bfloat16", mesh=mesh)
+  jax.block_until_ready(m.params)
+  bufs = {s.data.unsafe_buffer_pointer(): s.data.nbytes for x in jax.tree_util.tree_leaves(m.params)
+          for s in x.addressable_shards}  # by buffer: a CPU client may share one buffer between devices
+  print("RESIDENT", sum(bufs.values()))
+  print("SPECS", sorted({str(x.sharding.spec) for x in jax.tree_util.tree_leaves(m.params)}))
+else:
+  print("RESIDENT", 0)
+"""
+
+
+def measure_mesh_load(size_gb: float, workdir: pathlib.Path) -> dict:
+  """Peak RSS of dinfer_jax.load(path, mesh=tensor 2 x expert 4) from an HF and a converted checkpoint."""
+  py = sys.executable
+  info = write_random_hf(workdir / "hf", make_config(size_gb))
+  subprocess.run([py, "-m", "convert", "hf2jax", str(workdir / "hf"), str(workdir / "jax_bf16")], cwd=ROOT,
+                 check=True, capture_output=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  results = {}
+  for name, arg in (("baseline (import, 8 devices, mesh)", "-"), ("load HF onto mesh", str(workdir / "hf")),
+                    ("load converted onto mesh", str(workdir / "jax_bf16"))):
+    rss, secs, out = peak_rss_out([py, "-c", _MESH_LOAD, arg])
+    resident = int(next(ln for ln in out.splitlines() if ln.startswith("RESIDENT")).split()[1])
+    results[name] = {"peak_rss": rss, "seconds": secs, "resident": resident}
+  return {"model": info, "steps": results}
 
 
 _NAIVE = """

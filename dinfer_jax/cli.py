@@ -225,13 +225,17 @@ def _print_answer(args: argparse.Namespace, model, prompts: Sequence[Any], r: in
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+  import jax
+
   import dinfer_jax
   from dinfer_jax import prompt_input
   from dinfer_jax.answer import with_token_cap
+  from dinfer_jax.sharding import setup_parallel
   if args.batch_size <= 0:
     raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
   prompts = prompt_input.collect(args.prompts, args.file)
-  model = dinfer_jax.load(args.model, dtype=args.dtype)
+  mesh = setup_parallel(args)  # before any JAX computation (jax.distributed.initialize requires it)
+  model = dinfer_jax.load(args.model, dtype=args.dtype, mesh=mesh)
   from dinfer_jax import diagnostics
   ids = encode_prompts(model, prompts, raw=args.raw, system=args.system)
   # Prompts whose generation settings differ (a prompt rule of the model) run as separate batches.
@@ -247,8 +251,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     diagnostics.check_fits(model, [ids[r] for r in rows], gcfg, source=sources.get("gen_length", "gen_length"))
   chunks = [(gcfg, rows[i:i + args.batch_size]) for gcfg, rows in groups.items()
             for i in range(0, len(rows), args.batch_size)]
+  # Every process holds the gathered result; one prints it.
+  printer = jax.process_index() == 0
   progress = None
-  if len(chunks) > 1 and not args.no_progress:
+  if len(chunks) > 1 and not args.no_progress and printer:
     from tqdm import tqdm
     progress = tqdm(total=len(ids), unit="prompt", file=sys.stderr, desc="generate")
   t = time.perf_counter()
@@ -265,7 +271,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Answers come out in the prompts' order, each as soon as every earlier prompt's is there.
     while next_row in done:
       res_r, i = done.pop(next_row)
-      tokens_total += _print_answer(args, model, prompts, next_row, res_r, i)
+      if printer:
+        tokens_total += _print_answer(args, model, prompts, next_row, res_r, i)
       next_row += 1
     if progress:
       progress.update(len(chunk))
@@ -325,6 +332,8 @@ def build_parser(model_defaults: dict[str, Any] | None = None) -> argparse.Argum
   g.add_argument("--show-steps", action="store_true", help="print the canvas after every forward")
   g.add_argument("-v", "--verbose", action="store_true")
   add_generation_flags(g, model_defaults)
+  from dinfer_jax.sharding import add_parallel_flags
+  add_parallel_flags(g)
   g.set_defaults(func=cmd_generate)
   try:
     from dinfer_jax.bench import cli as bench_cli  # registered when the benchmark module is present

@@ -36,16 +36,72 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "cache_len": None,
 }
 
+# Logical axes of the generation state (the engine constrains its loop carry with these, so the KV cache
+# and the canvas stay split by batch rows on "data" and the cache's kv heads on "tensor" for the whole loop).
+CANVAS_AXES = ("act_batch", "act_len")  # canvas, valid, positions, commit steps
+EMBED_AXES = ("act_batch", "act_len", "act_embed")  # the soft-embedding canvas of iteration smoothing
+CACHE_AXES = ("layers", "act_batch", "cache_len", "kv_heads", "head_dim")  # KVCache.k / .v
+ROW_AXES = ("act_batch",)  # per-row counters, and the leading axis of every decoder-state leaf
+
 _CURRENT: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("dinfer_jax_mesh", default=None)
 
 
 def make_mesh(*, data: int = 1, tensor: int = 1, expert: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A (data, tensor, expert) mesh over the first data*tensor*expert devices."""
+  """A (data, tensor, expert) mesh over the first data*tensor*expert devices.
+
+  Devices are ordered by (process, id), so with several processes (one per host) tensor and expert groups
+  stay inside a host (fast links) and the data axis is what crosses hosts."""
+  for name, n in (("data", data), ("tensor", tensor), ("expert", expert)):
+    if not isinstance(n, int) or n < 1:
+      raise ValueError(f"make_mesh: {name}={n!r} must be a positive int")
   devices = list(devices if devices is not None else jax.devices())
+  devices.sort(key=lambda d: (d.process_index, d.id))
   n = data * tensor * expert
   if n > len(devices):
     raise ValueError(f"make_mesh: data*tensor*expert = {n} devices requested, only {len(devices)} available")
   return Mesh(np.array(devices[:n]).reshape(data, tensor, expert), MESH_AXES)
+
+
+# ----------------------------------------------------------------------------- command lines
+def add_parallel_flags(ap) -> None:
+  """--mesh and the multi-process flags (one process per host, jax.distributed) of a command line."""
+  g = ap.add_argument_group("parallelism (sharding.make_mesh; several processes with jax.distributed)")
+  g.add_argument("--mesh", default=None, metavar="data=D,tensor=T,expert=E",
+                 help="device mesh; default: none on one process, data=<all devices> on several")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="jax.distributed coordinator (process 0's address); enables multi-process")
+  g.add_argument("--num-processes", type=int, default=None)
+  g.add_argument("--process-id", type=int, default=None)
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+  """'data=2,tensor=4' -> {'data': 2, 'tensor': 4}."""
+  out = {}
+  for item in spec.split(","):
+    name, _, val = item.partition("=")
+    name = name.strip()
+    if name not in MESH_AXES or not val.strip().isdigit() or int(val) < 1:
+      raise ValueError(f"--mesh: bad item {item!r}; expected comma-separated {'/'.join(MESH_AXES)}=<positive int>")
+    out[name] = int(val)
+  return out
+
+
+def setup_parallel(args) -> Mesh | None:
+  """Starts jax.distributed when --coordinator is given and returns the mesh the flags ask for."""
+  if args.coordinator is not None:
+    if args.num_processes is None or args.process_id is None:
+      raise ValueError("--coordinator needs --num-processes and --process-id")
+    if not 0 <= args.process_id < args.num_processes:
+      raise ValueError(f"--process-id {args.process_id} is outside [0, --num-processes={args.num_processes})")
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                               process_id=args.process_id)
+  elif args.num_processes is not None or args.process_id is not None:
+    raise ValueError("--num-processes/--process-id need --coordinator")
+  if args.mesh:
+    return make_mesh(**parse_mesh(args.mesh))
+  if jax.process_count() > 1:
+    return make_mesh(data=jax.device_count())
+  return None
 
 
 def spec_for(axes: tuple[str | None, ...], mesh: Mesh, shape: tuple[int, ...] | None = None) -> P:
@@ -68,12 +124,48 @@ def param_shardings(abstract_tree: Any, axes_tree: Any, mesh: Mesh) -> Any:
                                 abstract_tree, axes_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
+def data_size(mesh: Mesh | None) -> int:
+  """How many ways the batch rows are split (1 without a mesh)."""
+  return 1 if mesh is None else mesh.shape["data"]
+
+
+def named(mesh: Mesh, axes: tuple[str | None, ...], shape: tuple[int, ...]) -> NamedSharding:
+  """The NamedSharding of an array of this shape with these logical axes."""
+  return NamedSharding(mesh, spec_for(axes, mesh, shape))
+
+
+def row_sharded(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+  """Batch rows (axis 0) on "data", everything else replicated."""
+  return named(mesh, ROW_AXES + (None,) * (len(shape) - 1), shape)
+
+
+def put_global(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A host array that every process holds in full -> a global jax.Array with this sharding; each process
+  only copies the shards of its own devices (so it also works when the mesh spans several processes)."""
+  host = np.asarray(host)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+  """The full value of a (possibly multi-process) global array on every process."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh | None):
-  """Activation constraints inside the forward (`shard`) refer to this mesh while tracing."""
+  """Activation constraints inside the forward (`shard`) refer to this mesh while tracing. jax.set_mesh is
+  entered too so the mesh is part of jit's trace-cache key: a program traced under one mesh is never reused
+  under another."""
   token = _CURRENT.set(mesh)
   try:
-    yield mesh
+    if mesh is None:
+      yield mesh
+    else:
+      with jax.set_mesh(mesh):
+        yield mesh
   finally:
     _CURRENT.reset(token)
 
@@ -88,3 +180,8 @@ def shard(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   if mesh is None or mesh.size == 1:
     return x
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(axes, mesh, x.shape)))
+
+
+def shard_rows(tree: Any) -> Any:
+  """Constrains every array leaf of a pytree to batch rows (its leading axis) on "data"."""
+  return jax.tree_util.tree_map(lambda x: shard(x, ROW_AXES + (None,) * (x.ndim - 1)) if x.ndim else x, tree)

@@ -70,6 +70,8 @@ def _add_train(sub):
   td.add_argument("--base", default="default", help="model to distill (directory or 'default')")
   td.add_argument("--mdm-weight", type=float, default=0.0, help="weight of the masked-diffusion loss mixed in")
   td.add_argument("--cf-weight", type=float, default=0.0, help="weight of the certainty-forcing entropy term")
+  from dinfer_jax.sharding import add_parallel_flags
+  add_parallel_flags(p)
   p.set_defaults(func=cmd_train)
 
 
@@ -79,30 +81,44 @@ def _mix_text(mix) -> str:
 
 def cmd_train(args) -> int:
   import pathlib
+
+  import jax
+
+  from dinfer_jax.sharding import setup_parallel
+  mesh = setup_parallel(args)  # before any JAX computation (jax.distributed.initialize requires it)
   from train_td import trainer
   given = {f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.TrainConfig) if hasattr(args, f.name)}
   if "mix" in given:
     given["mix"] = _parse_mix(given["mix"])
   if args.td:
-    return cmd_train_td(args, given)
+    return cmd_train_td(args, given, mesh)
   saved = pathlib.Path(args.run_dir) / trainer.TRAIN_CONFIG
   # Resuming: unset flags come from the run's own config (trainer.train checks what was given against it).
   base = trainer.load_train_config(args.run_dir) if saved.exists() else trainer.TrainConfig()
   tc = dataclasses.replace(base, **given)
   from dinfer_jax.model.params import count_params
-  print(f"model: {tc.model_config()}", file=sys.stderr)
-  print(f"params: {count_params(tc.model_config())}", file=sys.stderr)
-  out = trainer.train(tc, args.run_dir, resume=True if args.resume else None, progress=not args.no_progress)
+  if jax.process_index() == 0:
+    print(f"model: {tc.model_config()}", file=sys.stderr)
+    print(f"params: {count_params(tc.model_config())}", file=sys.stderr)
+  out = trainer.train(tc, args.run_dir, resume=True if args.resume else None,
+                      progress=not args.no_progress and jax.process_index() == 0, mesh=mesh)
+  if jax.process_index() != 0:
+    return 0
   print(json.dumps({"step": out["step"], "seconds": round(out["seconds"], 1), **out["last_metrics"]}))
   return 0
 
 
-def cmd_train_td(args, kw) -> int:
+def cmd_train_td(args, kw, mesh=None) -> int:
+  import jax
+
   from train_td import td_train
   tdc = td_train.TDConfig(data=args.td, base=args.base, mdm_weight=args.mdm_weight, cf_weight=args.cf_weight)
   for f in td_train.ARCH_FIELDS:
     kw.pop(f, None)  # the base model's
-  out = td_train.train(tdc, args.run_dir, resume=True if args.resume else None, progress=not args.no_progress, **kw)
+  out = td_train.train(tdc, args.run_dir, resume=True if args.resume else None,
+                       progress=not args.no_progress and jax.process_index() == 0, mesh=mesh, **kw)
+  if jax.process_index() != 0:
+    return 0
   print(json.dumps({"step": out["step"], "seconds": round(out["seconds"], 1), **out["last_metrics"]}))
   return 0
 

@@ -69,8 +69,9 @@ def _check_td_config(run_dir: pathlib.Path, tdc: TDConfig) -> None:
 
 
 def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, progress: bool = True,
-          stop_at: int | None = None, **train_overrides) -> dict[str, Any]:
-  """Runs (or resumes) a TD run; `train_overrides` are TrainConfig fields (steps, lr, batch_size, ...)."""
+          stop_at: int | None = None, mesh=None, **train_overrides) -> dict[str, Any]:
+  """Runs (or resumes) a TD run; `train_overrides` are TrainConfig fields (steps, lr, batch_size, ...);
+  `mesh`: the sharded step of trainer.train (data parallel + the model's tensor/expert sharding)."""
   import dinfer_jax
   base = dinfer_jax.load(tdc.base)
   tc = train_config_for(base.config, **train_overrides)
@@ -84,4 +85,4 @@ def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, pr
   loss_fn = objective.make_td_loss_fn(tc.model_config(), mdm_weight=tdc.mdm_weight, cf_weight=tdc.cf_weight,
                                       eps=tc.eps_t, moe_impl=tc.moe_impl)
   return trainer.train(tc, run_dir, resume=resume, loss_fn=loss_fn, get_batch=data.get_batch, progress=progress,
-                       stop_at=stop_at, init_params=base.params)
+                       stop_at=stop_at, init_params=base.params, mesh=mesh)

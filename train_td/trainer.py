@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dinfer_jax import sharding
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import params as params_lib
 from train_td import data as data_lib
@@ -161,8 +162,8 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
       optax.adamw(make_schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=_decay_mask))
 
 
-def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransformation):
-  """Jitted (params, opt_state, batch, rng) -> (params, opt_state, metrics); params and opt_state donated."""
+def step_function(loss_fn: objective.LossFn, optimizer: optax.GradientTransformation):
+  """The un-jitted (params, opt_state, batch, rng) -> (params, opt_state, metrics) of any loss."""
 
   def step(params, opt_state, batch, rng):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
@@ -171,14 +172,28 @@ def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransfor
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
     return params, opt_state, metrics
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  return step
+
+
+def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransformation, *,
+                    mesh: jax.sharding.Mesh | None = None, cfg: ModelConfig | None = None):
+  """Jitted (params, opt_state, batch, rng) -> (params, opt_state, metrics); params and opt_state donated.
+  With a mesh (and the model config, which decides the weights' shardings) it is the data + model
+  parallel step of train_td.parallel (its place_state puts fresh or restored state onto the mesh)."""
+  step = step_function(loss_fn, optimizer)
+  if mesh is None:
+    return jax.jit(step, donate_argnums=(0, 1))
+  from train_td import parallel
+  if cfg is None:
+    raise ValueError("make_train_step: a mesh needs the model config (cfg=) to shard the params")
+  return parallel.ShardedStep(step, cfg, optimizer, mesh)
 
 
 @functools.lru_cache(maxsize=8)
-def _default_step(tc: TrainConfig):
+def _default_step(tc: TrainConfig, mesh: jax.sharding.Mesh | None = None):
   # One compiled step per config: runs of the same config in one process (tests, resume) reuse it.
   return make_train_step(objective.make_loss_fn(tc.model_config(), eps=tc.eps_t, moe_impl=tc.moe_impl),
-                         make_optimizer(tc))
+                         make_optimizer(tc), mesh=mesh, cfg=tc.model_config())
 
 
 def init_state(tc: TrainConfig, optimizer=None):
@@ -205,8 +220,10 @@ def latest_step(run_dir: os.PathLike) -> int | None:
 
 
 def restore(run_dir: os.PathLike, tc: TrainConfig | None = None, step: int | None = None,
-            optimizer=None) -> tuple[Any, Any, int]:
-  """(params, opt_state, step) from a run directory's checkpoint (latest unless `step`)."""
+            optimizer=None, shardings: tuple[Any, Any] | None = None) -> tuple[Any, Any, int]:
+  """(params, opt_state, step) from a run directory's checkpoint (latest unless `step`).
+  shardings: (params, opt_state) sharding trees to restore onto (a mesh run's, train_td.parallel);
+  default: the first local device, whatever topology the checkpoint was saved from."""
   import orbax.checkpoint as ocp
   run_dir = pathlib.Path(run_dir)
   tc = tc or load_train_config(run_dir)
@@ -217,7 +234,12 @@ def restore(run_dir: os.PathLike, tc: TrainConfig | None = None, step: int | Non
   abstract_params = params_lib.abstract_params(cfg, jnp.float32)
   optimizer = optimizer or make_optimizer(tc)
   abstract_opt = jax.eval_shape(optimizer.init, abstract_params)
-  target = {"params": abstract_params, "opt_state": abstract_opt}
+  if shardings is None:
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shardings = tuple(jax.tree_util.tree_map(lambda _: one, t) for t in (abstract_params, abstract_opt))
+  with_sharding = lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)  # noqa: E731
+  target = {"params": jax.tree_util.tree_map(with_sharding, abstract_params, shardings[0]),
+            "opt_state": jax.tree_util.tree_map(with_sharding, abstract_opt, shardings[1])}
   mngr = _manager(run_dir, tc)
   try:
     state = mngr.restore(step, args=ocp.args.StandardRestore(target))
@@ -279,7 +301,8 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
 def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
           loss_fn: objective.LossFn | None = None,
           get_batch: Callable[[int], tuple[str, dict]] | None = None,
-          progress: bool = True, stop_at: int | None = None, init_params: Any | None = None) -> dict[str, Any]:
+          progress: bool = True, stop_at: int | None = None, init_params: Any | None = None,
+          mesh: jax.sharding.Mesh | None = None) -> dict[str, Any]:
   """Trains (or resumes) a run.
 
   Args:
@@ -293,6 +316,9 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
       tc.steps; used to test resuming).
     init_params: params to start from when the run has no checkpoint yet (fresh optimizer), e.g. a loaded
       base model for trajectory distillation; a resumed run ignores it.
+    mesh: run the step data + model parallel on this (data, tensor, expert) mesh (sharding.make_mesh;
+      it may span several processes after jax.distributed.initialize); batch_size must be a multiple of
+      its data axis.
 
   Returns:
     {"params", "step", "last_metrics", "seconds"}.
@@ -317,15 +343,18 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   if tc.init_from and have is None and latest_step(tc.init_from) is None:
     raise FileNotFoundError(f"init_from: {tc.init_from} has no checkpoints")
   run_dir.mkdir(parents=True, exist_ok=True)
-  _write_json_atomic(cfg_path, tc.to_json())
+  if jax.process_index() == 0:  # one writer when several processes share the run directory
+    _write_json_atomic(cfg_path, tc.to_json())
 
   optimizer = make_optimizer(tc)
   if get_batch is None:
     get_batch = lambda s: data_lib.get_batch(dcfg, s)  # noqa: E731
-  step_fn = _default_step(tc) if loss_fn is None else make_train_step(loss_fn, optimizer)
+  step_fn = (_default_step(tc, mesh) if loss_fn is None
+             else make_train_step(loss_fn, optimizer, mesh=mesh, cfg=tc.model_config()))
 
   if have is not None:
-    params, opt_state, start = restore(run_dir, tc, have, optimizer)
+    state_sh = None if mesh is None else (step_fn.param_shardings, step_fn.opt_shardings)
+    params, opt_state, start = restore(run_dir, tc, have, optimizer, shardings=state_sh)
   else:
     params, opt_state = init_state(tc, optimizer)
     if init_params is not None:
@@ -335,7 +364,10 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
       params, _, _ = restore(tc.init_from)
       opt_state = optimizer.init(params)
     start = 0
-  _truncate_metrics(run_dir / METRICS, start)
+    if mesh is not None:
+      params, opt_state = step_fn.place_state(params, opt_state)
+  if jax.process_index() == 0:
+    _truncate_metrics(run_dir / METRICS, start)
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
   base_key = jax.random.PRNGKey(tc.seed)
   schedule = make_schedule(tc)
@@ -352,14 +384,15 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
         params, opt_state, metrics = step_fn(params, opt_state, batch, jax.random.fold_in(base_key, s))
         done = s + 1
         if done % tc.log_every == 0 or done == end:
-          m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+          m = {k: float(sharding.to_host(v)) for k, v in metrics.items()}
           now = time.time()
           tps = window_tokens / max(now - window_t, 1e-9)
           window_tokens, window_t = 0, now
           last = dict(step=done, task=tag, lr=float(schedule(s)), tokens_per_s=tps,
                       elapsed_s=now - t_start, **m)
-          mf.write(json.dumps(last) + "\n")
-          mf.flush()
+          if jax.process_index() == 0:
+            mf.write(json.dumps(last) + "\n")
+            mf.flush()
           bar.set_postfix(loss=f"{m['loss']:.4f}", acc=f"{m.get('masked_acc', float('nan')):.3f}",
                           tok_s=f"{tps:.0f}")
         bar.update(1)

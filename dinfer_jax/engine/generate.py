@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax import decoders
+from dinfer_jax import decoders, sharding
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.layout import Layout, make_layout, normalize_prompts
+from dinfer_jax.engine.layout import Layout, make_layout, normalize_prompts, round_up
+from dinfer_jax.model import params as params_lib
 from dinfer_jax.sharding import use_mesh
 
 
@@ -74,15 +76,20 @@ def engine_mode(mcfg: ModelConfig, gcfg: GenerationConfig) -> tuple[str, bool]:
 
 
 def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *,
-            batch_bucket: int | None = None) -> tuple[Layout, dict[str, Any]]:
+            batch_bucket: int | None = None, row_multiple: int = 1) -> tuple[Layout, dict[str, Any]]:
   """Validates and lays out the prompts; returns the layout and the static arguments of the program.
-  batch_bucket: pad the batch with invalid rows up to this many (one compiled program per bucket)."""
+  batch_bucket: pad the batch with invalid rows up to this many (one compiled program per bucket).
+  row_multiple: the canvas gets a multiple of this many rows (the data-parallel width: every device takes
+  an equal share; the added rows are invalid and never decode)."""
   mode, block_causal = engine_mode(mcfg, gcfg)
   prompts = normalize_prompts(prompts)
   if batch_bucket is not None and batch_bucket < len(prompts):
     raise ValueError(f"generate: batch_bucket={batch_bucket} is smaller than the {len(prompts)} prompts")
+  rows = batch_bucket
+  if row_multiple > 1:
+    rows = round_up(rows or len(prompts), row_multiple)
   lay = make_layout(prompts, gcfg, mcfg, block_diffusion=block_causal or mode == "block_diffusion",
-                    batch_bucket=batch_bucket)
+                    batch_bucket=rows)
   mask_id = gcfg.mask_id if gcfg.mask_id is not None else mcfg.mask_token_id
   eos_id = gcfg.eos_id if gcfg.eos_id is not None else mcfg.eos_token_id
   static = dict(mcfg=mcfg, gcfg=gcfg, grid=lay.grid, decoder=decoder_for(gcfg, mcfg.vocab_size), mode=mode,
@@ -91,12 +98,25 @@ def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *,
 
 
 def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *, seed: int = 0,
-                    batch_bucket: int | None = None, on_block=None):
+                    batch_bucket: int | None = None, on_block=None, mesh: jax.sharding.Mesh | None = None):
   """Runs the program; returns (layout, device outputs) without host post-processing (for benchmarks).
-  on_block(block_index, rows_tokens): see generate."""
-  lay, static = prepare(mcfg, prompts, gcfg, batch_bucket=batch_bucket)
+  on_block(block_index, rows_tokens): see generate. With a mesh the program runs with explicit in/out
+  shardings (see sharded_run)."""
+  lay, static = prepare(mcfg, prompts, gcfg, batch_bucket=batch_bucket, row_multiple=sharding.data_size(mesh))
   args = (params, jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions),
           jax.random.PRNGKey(seed))
+  if mesh is not None:
+    if on_block is not None:
+      raise ValueError("generate: streaming (on_block) is not supported together with a mesh yet")
+    p_sh = sharding.param_shardings(params, params_lib.logical_axes(mcfg), mesh)
+    leaves, treedef = jax.tree_util.tree_flatten(p_sh)
+    rows = sharding.row_sharded(mesh, lay.canvas.shape)
+    arrays = [sharding.put_global(a, rows) for a in (lay.canvas, lay.valid, lay.positions)]
+    with use_mesh(mesh):
+      key = sharding.put_global(np.asarray(jax.random.PRNGKey(seed)),
+                                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+      out = sharded_run(mesh, treedef, tuple(leaves), tuple(sorted(static.items())))(params, *arrays, key)
+    return lay, out, static
   if on_block is None:
     return lay, loop.run_jit()(*args, **static), static
   sid = loop.register_stream(_row_tokens_callback(lay, len(normalize_prompts(prompts)), static["eos_id"], on_block))
@@ -123,12 +143,28 @@ def _row_tokens_callback(lay: Layout, n_rows: int, eos_id: int, on_block):
   return emit
 
 
+@functools.cache
+def sharded_run(mesh: jax.sharding.Mesh, param_treedef, param_leaf_shardings: tuple, static: tuple):
+  """The generation program with explicit shardings: params as the logical-axis rules place them; canvas,
+  valid, positions and the per-row outputs split by batch rows on "data"; counters replicated. On
+  accelerators the canvas and positions buffers are donated (they alias the canvas and commit outputs).
+  static: loop.run's static arguments as sorted (name, value) pairs (bound here: jit takes no keyword
+  arguments once in_shardings are given), so one compiled program per mesh, param layout and shape bucket."""
+  p_sh = jax.tree_util.tree_unflatten(param_treedef, param_leaf_shardings)
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  outs = {"canvas": rows, "commit": rows, "row_nfe": rows, "nfe": repl, "n_full": repl, "n_cached": repl}
+  donate = (1, 3) if jax.default_backend() != "cpu" else ()
+  return jax.jit(functools.partial(loop.run, **dict(static)), in_shardings=(p_sh, rows, rows, rows, repl),
+                 out_shardings=outs, donate_argnums=donate)
+
+
 def collect(lay: Layout, out: dict, n_rows: int, eos_id: int) -> GenerationResult:
-  canvas = np.asarray(out["canvas"])
-  commit = np.asarray(out["commit"])
-  row_nfe = np.asarray(out["row_nfe"])
-  res = GenerationResult([], [], [], [], int(out["nfe"]), [], [], {"full": int(out["n_full"]),
-                                                                      "cached": int(out["n_cached"])})
+  canvas = sharding.to_host(out["canvas"])
+  commit = sharding.to_host(out["commit"])
+  row_nfe = sharding.to_host(out["row_nfe"])
+  scalar = lambda k: int(sharding.to_host(out[k]))
+  res = GenerationResult([], [], [], [], scalar("nfe"), [], [], {"full": scalar("n_full"), "cached": scalar("n_cached")})
   for r in range(n_rows):
     pad, P, end = int(lay.pad[r]), int(lay.prompt_len[r]), int(lay.end[r])
     row = canvas[r, pad:end].tolist()
@@ -160,7 +196,6 @@ def generate(model, prompts, config: GenerationConfig | None = None, *, seed: in
   params, mcfg = (model.params, model.config) if hasattr(model, "params") else model
   gcfg = config or GenerationConfig()
   prompts = normalize_prompts(prompts)
-  with use_mesh(getattr(model, "mesh", None)):
-    lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed, batch_bucket=batch_bucket,
-                                       on_block=on_block)
+  lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed, batch_bucket=batch_bucket,
+                                     on_block=on_block, mesh=getattr(model, "mesh", None))
   return collect(lay, out, len(prompts), static["eos_id"])

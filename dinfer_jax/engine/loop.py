@@ -25,6 +25,7 @@ from dinfer_jax.engine import iteration
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.layout import Grid
 from dinfer_jax.model.transformer import forward
+from dinfer_jax.sharding import CACHE_AXES, CANVAS_AXES, EMBED_AXES, ROW_AXES, shard, shard_rows
 
 
 def _where_rows(rows: jax.Array, new, old):
@@ -42,6 +43,23 @@ def _decode_rows(decoder, state, logits, tokens, maskable, thr, keys, *, mask_id
                               temperature=temperature, rng=key)
     return nt[0], cm[0], ns
   return jax.vmap(one)(state, logits, tokens, maskable, thr, keys)
+
+
+def _constrain(st: dict[str, Any]) -> dict[str, Any]:
+  """Pins the loop carry to its logical axes (batch rows on "data", the cache's kv heads on "tensor"), so
+  GSPMD keeps the state split the same way in every iteration; a no-op without a mesh."""
+  axes = {"canvas": CANVAS_AXES, "commit": CANVAS_AXES, "emb": EMBED_AXES}
+  out = {}
+  for k, v in st.items():
+    if k == "cache":
+      out[k] = KVCache(k=shard(v.k, CACHE_AXES), v=shard(v.v, CACHE_AXES))
+    elif k == "dec":
+      out[k] = shard_rows(v)
+    elif k in axes:
+      out[k] = shard(v, axes[k])
+    else:
+      out[k] = shard(v, ROW_AXES) if v.ndim == 1 else v
+  return out
 
 
 def _init_rows(decoder, tokens, maskable):
@@ -91,6 +109,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
   if cached_mode:
     st["cache"] = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, table.dtype)
 
+  st = _constrain(st)
   blk_of = col // L  # canvas blocks; block diffusion keeps pads whole blocks, so these are position blocks
   if mode == "block_diffusion":
     # Prefill the prompt's blocks with the block-causal mask (dInfer's BlockDiffusionRunner.prefill).
@@ -147,6 +166,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     bst["forced"] = jnp.zeros((Bsz,), bool)  # the cached step owed after a refresh, even if nothing is left
     bst["final"] = jnp.zeros((Bsz,), bool)  # block diffusion's clean-K/V forward after the last commit
     bst["iters"] = jnp.zeros((), jnp.int32)
+    bst = _constrain(bst)
 
     def has_masks(cv):
       return (blk(cv) == mask_id).any(axis=1) & ~st["done"]
@@ -246,7 +266,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
         masks_after = has_masks(nb["canvas"])
         nb["final"] = jnp.where(active & masks_before & ~masks_after, True,
                                 jnp.where(active & ~masks_before, False, b["final"]))
-      return nb
+      return _constrain(nb)
 
     bst = jax.lax.while_loop(step_cond, step_body, bst)
     out = {k: bst[k] for k in st}
@@ -258,6 +278,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       out["canvas"] = jnp.where(fill, eos_id, cv)
       out["done"] = st["done"] | has_eos
     out["block"] = st["block"] + 1
+    out = _constrain(out)
     if stream:  # the block is final: hand it to the host now, not when the whole program returns
       io_callback(_emit_block, None, stream_id, st["block"], out["canvas"], ordered=True)
     return out
