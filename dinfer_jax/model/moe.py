@@ -11,6 +11,9 @@ Kernels (chosen by `moe_impl`, "auto" picks per backend and token count, see `ch
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -58,10 +61,29 @@ def route(h: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Arra
   return w, idx.astype(jnp.int32)
 
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("dinfer_jax_target_backend", default=None)
+
+
+@contextlib.contextmanager
+def target_backend(name: str | None):
+  """Trace kernel choices for another backend than the one running ("gpu" while compiling deviceless for an
+  H200 from a CPU-only process: the roofline bench)."""
+  tok = _TARGET.set(name)
+  try:
+    yield
+  finally:
+    _TARGET.reset(tok)
+
+
+def backend() -> str:
+  """The backend kernel choices are made for: target_backend's, else the default backend."""
+  return _TARGET.get() or jax.default_backend()
+
+
 def choose_impl(cfg: ModelConfig, n_tokens: int) -> str:
   if cfg.moe_impl != "auto":
     return cfg.moe_impl
-  if jax.default_backend() == "cpu" or n_tokens <= ACCEL_DENSE_MAX_TOKENS:
+  if backend() == "cpu" or n_tokens <= ACCEL_DENSE_MAX_TOKENS:
     return "dense"
   return "ragged"
 
