@@ -23,6 +23,7 @@ forwards, one refresh per block and the rest cached (all full forwards without a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -126,14 +127,59 @@ class Target:
     return jax.tree_util.tree_map(one, tree)
 
   def compile(self, fn, *args, static: dict | None = None, donate=()):
-    with moe.target_backend(self.backend):
+    with moe.target_backend(self.backend), _deviceless_tokamax(self.kind == "cuda"):
       t = time.perf_counter()
       jf = jax.jit(fn, static_argnames=tuple(static or ()), donate_argnums=donate if self.kind == "cuda" else ())
       compiled = jf.lower(*args, **(static or {})).compile()
       return compiled, time.perf_counter() - t
 
 
+@contextlib.contextmanager
+def _deviceless_tokamax(on: bool):
+  """tokamax checks the default device (this process's CPU) before lowering its Triton kernels; with no GPU
+  here, tell it the target is one. Only the bench's deviceless compiles do this."""
+  if not (on and moe.has_gpu_grouped_gemm()):
+    yield
+    return
+  from tokamax._src.ops.ragged_dot import pallas_triton
+  cls = pallas_triton.PallasTritonRaggedDot
+  saved = cls.supported_on
+  cls.supported_on = lambda self, device: True
+  try:
+    yield
+  finally:
+    cls.supported_on = saved
+
+
 # ----------------------------------------------------------------------------- cost of the optimised module
+
+_DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+_ARRAY = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
+_TRITON = re.compile(r'= (.*?) custom-call\(.*custom_call_target="__gpu\$xla\.gpu\.triton".*?'
+                     r'operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}')
+
+
+def _dims(s: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(s)]
+
+
+def _nbytes(arrays) -> int:
+  return sum(_DT_BYTES[dt] * int(np.prod(shape)) for dt, shape in arrays)
+
+
+def triton_call_cost(line: str) -> dict[str, float] | None:
+  """Cost analysis sees a Pallas-Triton kernel as an opaque custom call (0 bytes, 0 FLOPs). Count its
+  operands and outputs once, and the FLOPs of a grouped GEMM (x [M, K], w [G, K, N] -> [M, N]: 2 M K N)."""
+  m = _TRITON.search(line)
+  if not m:
+    return None
+  outs, ins = _dims(m.group(1)), _dims(m.group(2))
+  flops = 0.0
+  if len(ins) >= 2 and len(ins[0][1]) == 2 and len(ins[1][1]) == 3 and outs and len(outs[0][1]) == 2:
+    (M, K), (_, K2, N) = ins[0][1], ins[1][1]
+    if K == K2 and outs[0][1] == (M, N):
+      flops = 2.0 * M * K * N
+  return {"flops": flops, "bytes": float(_nbytes(ins) + _nbytes(outs))}
 
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(")
 _WHILE = re.compile(r"\bwhile\(.*?body=%([\w.\-]+)")
@@ -166,6 +212,7 @@ class ModuleCost:
       elif cur is not None:
         self.comps[cur].append(i)
     self.unknown_trip_loops = 0
+    self.triton_calls = 0
     self._flat: dict[str, dict[str, float]] = {}
     self.host_ops = sum(1 for line in self.lines if _HOST.search(line))
 
@@ -193,9 +240,21 @@ class ModuleCost:
       self._flat[comp] = {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))}
     return self._flat[comp]
 
+  def opaque(self, comp: str) -> dict[str, float]:
+    out = {"flops": 0.0, "bytes": 0.0}
+    for i in self.comps[comp]:
+      c = triton_call_cost(self.lines[i])
+      if c:
+        self.triton_calls += 1
+        for k in out:
+          out[k] += c[k]
+    return out
+
   def total(self, comp: str | None = None) -> dict[str, float]:
     comp = comp or self.entry
     out = dict(self.flat(comp))
+    for k, v in self.opaque(comp).items():
+      out[k] += v
     for body, n in self._loops(comp):
       if n is None:
         self.unknown_trip_loops += 1
@@ -258,7 +317,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
         "floor_bytes": floor_bytes, "bytes_over_floor": cost["bytes"] / floor_bytes, "routed_flops": routed,
         "flops_over_routed": cost["flops"] / routed, "roofline_ms": 1e3 * target.chip.roofline_s(cost["flops"], cost["bytes"]),
         "floor_ms": 1e3 * target.chip.roofline_s(routed, floor_bytes), "unknown_trip_loops": mc.unknown_trip_loops,
-        "host_ops": mc.host_ops, "compile_s": compile_s,
+        "host_ops": mc.host_ops, "triton_calls": mc.triton_calls, "compile_s": compile_s,
     })
   if with_generate:
     args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))

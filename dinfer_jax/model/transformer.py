@@ -1,4 +1,4 @@
-"""The pure forward pass: embed -> lax.scan over stacked layers -> final norm -> fp32 logits.
+"""The pure forward pass: embed -> the layers (unrolled, or lax.scan over the stack) -> final norm -> fp32 logits.
 
 One function serves every forward the engine needs (model.md §4):
 - full forward (no cache): keys are the T inputs; returns their K/V (a cache refresh);
@@ -69,7 +69,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
             mask: jax.Array | None = None, cache: KVCache | None = None,
             cache_start: jax.Array | int | None = None, write_mask: jax.Array | None = None,
             logits_start: jax.Array | int = 0, logits_len: int | None = None,
-            moe_impl: str | None = None) -> ForwardOut:
+            moe_impl: str | None = None, unroll_layers: bool = True) -> ForwardOut:
   """Pure forward.
 
   Args:
@@ -82,7 +82,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     write_mask: [B, T] bool; inputs whose fresh K/V replace the cached ones (default: all).
     logits_start, logits_len: compute logits only for inputs [start, start + len) (the LM head is the
       largest matmul at V=157k; the engine only needs the block's logits).
-    moe_impl: override cfg.moe_impl for this call ("dense", "ragged", "loop").
+    moe_impl: override cfg.moe_impl for this call ("dense", "ragged", "grouped", "loop").
+    unroll_layers: one traced block per layer (inference: weights read in place) or a lax.scan over the
+      stacked layers (one traced block: faster compiles, e.g. for training).
   Returns:
     ForwardOut(logits [B, T', V] fp32, kv of every layer [n_layers, B, S, K, H]).
   """
@@ -110,12 +112,22 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     kv_in = None if cache is None else (cache.k[start:start + n], cache.v[start:start + n])
     body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, bias=bias,
                              cache_start=cache_start, write_mask=write_mask, moe_impl=moe_impl)
-    if kv_in is None:
-      x, (k, v) = jax.lax.scan(lambda c, lp: body(c, lp, None), x, params[name])
+    if unroll_layers:
+      # Static per-layer slices of the stacked weights: the GEMMs read them in place. Under lax.scan the
+      # GPU compile copies every layer's expert weights out of the stack first (the roofline bench: 27 of
+      # the 50 GB of a 7B-A1B cached forward were those copies).
+      for i in range(n):
+        lp = jax.tree_util.tree_map(lambda a: a[i], params[name])
+        x, (k, v) = body(x, lp, None if kv_in is None else (kv_in[0][i], kv_in[1][i]))
+        ks.append(k[None])
+        vs.append(v[None])
     else:
-      x, (k, v) = jax.lax.scan(lambda c, xs: body(c, xs[0], xs[1]), x, (params[name], kv_in))
-    ks.append(k)
-    vs.append(v)
+      if kv_in is None:
+        x, (k, v) = jax.lax.scan(lambda c, lp: body(c, lp, None), x, params[name])
+      else:
+        x, (k, v) = jax.lax.scan(lambda c, xs: body(c, xs[0], xs[1]), x, (params[name], kv_in))
+      ks.append(k)
+      vs.append(v)
     start += n
   kv = KVCache(k=jnp.concatenate(ks) if len(ks) > 1 else ks[0], v=jnp.concatenate(vs) if len(vs) > 1 else vs[0])
 
