@@ -295,7 +295,9 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   gcfg = generation_config(preset, cache)
   lay, static = gen_lib.prepare(cfg, _prompts(cfg, batch, preset.prompt_length), gcfg)
   grid = lay.grid
-  aparams = target.abstract(params_lib.abstract_params(cfg, dtype))
+  # The engine runs on the per-layer layout (generate.inference_params).
+  aparams = target.abstract(params_lib.unstack_layers(
+      params_lib.abstract_params(cfg, dtype), take=lambda a, i: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)))
   dbytes = jnp.dtype(dtype).itemsize
   L, Tc, W = grid.block_len, grid.canvas_len, grid.window
   rows = []

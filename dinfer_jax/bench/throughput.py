@@ -182,6 +182,7 @@ def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, 
   """One zero-argument callable per kind of forward the engine runs for this layout (forward_programs),
   each jitted. chain=n: each callable runs n such forwards back to back in one program instead."""
   fns: dict[str, Callable[[], Any]] = {}
+  params = gen_lib.inference_params(params)  # the layout the engine's program runs on
   for kind, (f, args) in forward_programs(mcfg, gcfg, lay, static, table=params["embed"]).items():
     jf = _chained(f, chain)
     fns[kind] = functools.partial(jf, params, *args)

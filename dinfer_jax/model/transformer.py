@@ -73,7 +73,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
   """Pure forward.
 
   Args:
-    params: the param tree (model/params.py).
+    params: the param tree (model/params.py), stacked or with per-layer lists (params.unstack_layers).
     tokens: [B, T] int token ids, or None when `embeds` [B, T, D] is given (iteration smoothing).
     positions: [B, T] absolute RoPE positions (default arange(T) per row).
     mask: None (full bidirectional), [B, S] key validity or [B, T, S] per-query mask; True = may attend.
@@ -112,7 +112,14 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     kv_in = None if cache is None else (cache.k[start:start + n], cache.v[start:start + n])
     body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, bias=bias,
                              cache_start=cache_start, write_mask=write_mask, moe_impl=moe_impl)
-    if unroll_layers:
+    if isinstance(params[name], (list, tuple)):
+      # Per-layer buffers (params.unstack_layers): every kernel, cuBLAS and Triton custom calls included,
+      # reads the layer's weights in place.
+      for i, lp in enumerate(params[name]):
+        x, (k, v) = body(x, lp, None if kv_in is None else (kv_in[0][i], kv_in[1][i]))
+        ks.append(k[None])
+        vs.append(v[None])
+    elif unroll_layers:
       # Static per-layer slices of the stacked weights: the GEMMs read them in place. Under lax.scan the
       # GPU compile copies every layer's expert weights out of the stack first (the roofline bench: 27 of
       # the 50 GB of a 7B-A1B cached forward were those copies).
