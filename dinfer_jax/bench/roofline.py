@@ -155,7 +155,7 @@ def _deviceless_tokamax(on: bool):
 
 _DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
 _ARRAY = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
-_TRITON = re.compile(r'= (.*?) custom-call\(.*custom_call_target="__gpu\$xla\.gpu\.triton".*?'
+_KERNEL = re.compile(r'= (.*?) custom-call\(.*custom_call_target="(__gpu\$xla\.gpu\.triton|__cudnn\$fmha[\w$]*)".*?'
                      r'operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}')
 
 
@@ -167,15 +167,19 @@ def _nbytes(arrays) -> int:
   return sum(_DT_BYTES[dt] * int(np.prod(shape)) for dt, shape in arrays)
 
 
-def triton_call_cost(line: str) -> dict[str, float] | None:
-  """Cost analysis sees a Pallas-Triton kernel as an opaque custom call (0 bytes, 0 FLOPs). Count its
-  operands and outputs once, and the FLOPs of a grouped GEMM (x [M, K], w [G, K, N] -> [M, N]: 2 M K N)."""
-  m = _TRITON.search(line)
+def kernel_call_cost(line: str) -> dict[str, float] | None:
+  """Cost analysis sees a Pallas-Triton or cuDNN attention kernel as an opaque custom call (0 bytes, 0
+  FLOPs). Count its operands and outputs once, and the FLOPs of a grouped GEMM (x [M, K], w [G, K, N] ->
+  [M, N]: 2 M K N) or of attention (q [B, T, N, H], k [B, S, K, H]: 4 B N T S H)."""
+  m = _KERNEL.search(line)
   if not m:
     return None
-  outs, ins = _dims(m.group(1)), _dims(m.group(2))
+  outs, ins = _dims(m.group(1)), _dims(m.group(3))
   flops = 0.0
-  if len(ins) >= 2 and len(ins[0][1]) == 2 and len(ins[1][1]) == 3 and outs and len(outs[0][1]) == 2:
+  if m.group(2).startswith("__cudnn") and len(ins) >= 2 and len(ins[0][1]) == 4:
+    (B, T, N, H), S = ins[0][1], ins[1][1][1]
+    flops = 4.0 * B * N * T * S * H
+  elif len(ins) >= 2 and len(ins[0][1]) == 2 and len(ins[1][1]) == 3 and outs and len(outs[0][1]) == 2:
     (M, K), (_, K2, N) = ins[0][1], ins[1][1]
     if K == K2 and outs[0][1] == (M, N):
       flops = 2.0 * M * K * N
@@ -212,7 +216,7 @@ class ModuleCost:
       elif cur is not None:
         self.comps[cur].append(i)
     self.unknown_trip_loops = 0
-    self.triton_calls = 0
+    self.kernel_calls = 0
     self._flat: dict[str, dict[str, float]] = {}
     self.host_ops = sum(1 for line in self.lines if _HOST.search(line))
 
@@ -243,9 +247,9 @@ class ModuleCost:
   def opaque(self, comp: str) -> dict[str, float]:
     out = {"flops": 0.0, "bytes": 0.0}
     for i in self.comps[comp]:
-      c = triton_call_cost(self.lines[i])
+      c = kernel_call_cost(self.lines[i])
       if c:
-        self.triton_calls += 1
+        self.kernel_calls += 1
         for k in out:
           out[k] += c[k]
     return out
@@ -319,7 +323,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
         "floor_bytes": floor_bytes, "bytes_over_floor": cost["bytes"] / floor_bytes, "routed_flops": routed,
         "flops_over_routed": cost["flops"] / routed, "roofline_ms": 1e3 * target.chip.roofline_s(cost["flops"], cost["bytes"]),
         "floor_ms": 1e3 * target.chip.roofline_s(routed, floor_bytes), "unknown_trip_loops": mc.unknown_trip_loops,
-        "host_ops": mc.host_ops, "triton_calls": mc.triton_calls, "compile_s": compile_s,
+        "host_ops": mc.host_ops, "kernel_calls": mc.kernel_calls, "compile_s": compile_s,
     })
   if with_generate:
     args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import moe as moe_lib
-from dinfer_jax.model.attention import attention, mask_bias
+from dinfer_jax.model.attention import attention, attention_mask
 from dinfer_jax.model.layers import rms_norm, rope, swiglu
 from dinfer_jax.sharding import shard
 
@@ -26,7 +26,7 @@ class ForwardOut(NamedTuple):
   kv: KVCache  # [n_layers, B, S, K, H]: the keys/values this forward attended to
 
 
-def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, bias, cache_start, write_mask, moe_impl):
+def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_start, write_mask, moe_impl):
   """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None."""
   dt = x.dtype
   h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
@@ -53,7 +53,7 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, bias, cache_
       v = jnp.where(wm, v, jax.lax.dynamic_slice_in_dim(cv, cache_start, T, axis=1).astype(dt))
     keys = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_start, axis=1).astype(dt)
     vals = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_start, axis=1).astype(dt)
-  a = attention(q, keys, vals, bias)
+  a = attention(q, keys, vals, mask)
   x = x + jnp.einsum("BTNH,NHD->BTD", a, lp["o"].astype(dt))
   h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
   if moe:
@@ -101,7 +101,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   if cache is not None and cache_start is None:
     raise ValueError("forward: a cache needs cache_start")
-  bias = mask_bias(mask, T)
+  amask = attention_mask(mask, T)
   x = shard(x, ("act_batch", "act_len", "act_embed"))
 
   ks, vs = [], []
@@ -110,7 +110,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     if n == 0:
       continue
     kv_in = None if cache is None else (cache.k[start:start + n], cache.v[start:start + n])
-    body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, bias=bias,
+    body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, mask=amask,
                              cache_start=cache_start, write_mask=write_mask, moe_impl=moe_impl)
     if isinstance(params[name], (list, tuple)):
       # Per-layer buffers (params.unstack_layers): every kernel, cuBLAS and Triton custom calls included,

@@ -64,3 +64,20 @@ def test_batch_sizes_share_a_program_and_rows_match_alone(model):
   for i, p in enumerate(prompts):
     alone = gen_lib.generate((params, cfg), [p], gcfg)
     assert alone.canvas[0] == res.canvas[i] and alone.row_nfe[0] == res.row_nfe[i]
+
+
+@pytest.mark.parametrize("mask_rank", [2, 3])
+def test_attention_matches_reference(mask_rank):
+  from dinfer_jax.model.attention import attention, attention_mask, attention_reference, mask_bias
+  B, T, S, N, K, H = 2, 5, 9, 4, 2, 8
+  ks = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k = jax.random.normal(ks[1], (B, S, K, H))
+  v = jax.random.normal(ks[2], (B, S, K, H))
+  if mask_rank == 2:
+    mask = jax.random.bernoulli(ks[3], 0.7, (B, S)).at[1].set(False)  # row 1: every key masked
+  else:
+    mask = jax.random.bernoulli(ks[3], 0.7, (B, T, S)).at[0, 2].set(False)
+  got = attention(q, k, v, attention_mask(mask, T))
+  want = attention_reference(q, k, v, mask_bias(mask, T))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
