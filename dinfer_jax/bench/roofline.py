@@ -316,6 +316,8 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     routed = flops_per_forward(cfg, batch=batch, tokens=tokens, kv_len=Tc, logits_tokens=L)
     with moe.target_backend(target.backend):
       impl = moe.choose_impl(cfg, batch * tokens) if cfg.n_moe_layers else "n/a"
+      if impl == "ragged":
+        impl += "/tokamax" if (target.kind == "cuda" and moe.has_gpu_grouped_gemm()) else "/xla"
     rows.append({
         "preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch, "cache": cache,
         "kind": "refresh" if (kind == "full" and cache != "none") else kind, "tokens": tokens, "kv_len": kv_len,
