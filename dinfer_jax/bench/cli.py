@@ -10,7 +10,9 @@ import platform
 import sys
 from typing import Any, Sequence
 
-from dinfer_jax.bench import throughput
+import numpy as np
+
+from dinfer_jax.bench import presets, throughput
 from dinfer_jax.bench.metrics import ratio
 
 COLUMNS = (("per-seq TPS", "per_seq_tps_mean", "{:.1f}"), ("aggregate TPS", "aggregate_tps", "{:.1f}"),
@@ -28,6 +30,10 @@ def register(subparsers) -> None:
   b = subparsers.add_parser("bench", help="throughput: jitted engine vs Python-stepped loop vs baselines",
                             description=__doc__)
   b.add_argument("--model", default="default", help="model directory; default: the embedded model")
+  b.add_argument("--preset", default=None, choices=sorted(presets.PRESETS),
+                 help="instead of --model: a named shape with random weights and its own gen/block length and "
+                      "prompt length (e.g. mid: hidden 512, 8 layers, 16 experts top-4, vocab 32k; prompt 32, "
+                      "gen 128, block 32)")
   b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   b.add_argument("--prompts", default=None,
                  help="JSON file: a list of strings (tokenized with the model's chat template) or of token-id "
@@ -68,6 +74,28 @@ def load_prompts(model, path: str | None, gcfg) -> list[list[int]]:
   if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in data):
     return data
   raise ValueError(f"--prompts {path}: every entry must be a string, or every entry a non-empty list of ints")
+
+
+def preset_model(args: argparse.Namespace):
+  """A preset's random-weight model, its generation shape (flags still override) and 4 token prompts of the
+  preset's prompt length."""
+  import jax
+  import jax.numpy as jnp
+
+  from dinfer_jax import api, cli
+  from dinfer_jax.model import params as params_lib
+  pr = presets.get(args.preset)
+  cfg = pr.model()
+  params = params_lib.init_params(cfg, jax.random.PRNGKey(0), jnp.dtype(args.dtype))
+  model = api.Model(config=cfg, params=params)
+  gcfg = cli.generation_config(args)
+  shape = {"gen_length": pr.gen_length, "block_length": pr.block_length, "prompt_bucket": pr.block_length}
+  gcfg = gcfg.replace(**{k: v for k, v in shape.items() if not hasattr(args, k)})
+  rng = np.random.default_rng(0)
+  bad = {cfg.mask_token_id, cfg.eos_token_id}
+  prompts = [[int(t) if int(t) not in bad else 7 for t in rng.integers(10, cfg.vocab_size, size=pr.prompt_length)]
+             for _ in range(4)]
+  return model, gcfg, prompts
 
 
 def machine_info() -> dict[str, Any]:
@@ -154,11 +182,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise ValueError(f"--variants: unknown {bad}; choose from {', '.join(throughput.VARIANTS)}")
   if args.batch_size <= 0 or args.repeats <= 0:
     raise ValueError("--batch-size and --repeats must be positive")
-  model = dinfer_jax.load(args.model, dtype=args.dtype)
-  gcfg = cli.generation_config(args, model.path)
+  if args.preset:
+    model, gcfg, prompts = preset_model(args)
+  else:
+    model = dinfer_jax.load(args.model, dtype=args.dtype)
+    gcfg = cli.generation_config(args, model.path)
   if gcfg.temperature != 0:
     raise ValueError("bench: temperature must be 0 (the Python-stepped loop is greedy)")
-  prompts = load_prompts(model, args.prompts, gcfg)
+  if not args.preset or args.prompts:
+    prompts = load_prompts(model, args.prompts, gcfg)
   from dinfer_jax.sharding import use_mesh
   with use_mesh(model.mesh):
     results = throughput.run_side_by_side(model.params, model.config, prompts, gcfg, batch_size=args.batch_size,
@@ -166,7 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                           overhead_gen_length=args.overhead_gen_length,
                                           progress=not args.no_progress)
   out = summary(results)
-  out.update(variants=results, config=_jsonable(gcfg), model=model.path, prompts=len(prompts),
+  out.update(variants=results, config=_jsonable(gcfg), model=model.path or f"preset:{args.preset}", prompts=len(prompts),
              batch_size=args.batch_size, repeats=args.repeats, machine=machine_info(),
              command="dinfer-jax " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("dinfer-jax") else None)
   print(markdown_table(results))

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax.bench.presets import tiny_config
 from dinfer_jax.bench.throughput import time_forwards
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import generate as gen_lib
@@ -40,12 +41,6 @@ from dinfer_jax.model import params as params_lib
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e
 BF16_FLOPS = 989e12  # H200 dense bf16 tensor-core peak
 DINFER_TPF = 3.87  # dInfer, LLaDA-MoE, threshold 0.8 + dual cache + vicinity + smoothing (paper Table 1)
-
-
-def tiny_config() -> ModelConfig:
-  return ModelConfig(family="llada_moe", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
-                     head_dim=16, n_experts=8, n_experts_per_tok=2, expert_ffn_dim=32, qk_norm=True,
-                     rope_theta=50000.0, max_position=512, mask_token_id=509, eos_token_id=506)
 
 
 def init_on_device(cfg: ModelConfig, dtype, seed: int = 0):

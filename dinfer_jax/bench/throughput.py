@@ -13,6 +13,7 @@ jitted forward of each kind it ran (full / refresh, cached slice, block-diffusio
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -115,11 +116,14 @@ def _chained(f, n: int):
   return jax.jit(many)
 
 
-def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *,
-                chain: int = 0) -> dict[str, Callable[[], Any]]:
-  """One zero-argument callable per kind of forward the engine runs for this layout, each a jitted forward
-  of exactly the shape the engine's program uses (same params, batch, canvas, window, logits slice).
-  chain=n: each callable runs n such forwards back to back in one program instead."""
+def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, table=None,
+                     abstract_dtype=None) -> dict[str, tuple[Callable[..., Any], tuple]]:
+  """Per kind of forward the engine runs for this layout: (f, args), f(params, *args) a pure forward of
+  exactly the shape the engine's program uses (same batch, canvas, window, logits slice, masks).
+
+  table: the embedding table (smoothing feeds embeddings; only its shape/dtype is used when abstract).
+  abstract_dtype: None builds concrete args; a dtype builds jax.ShapeDtypeStruct args (the cache in that
+  dtype) for ahead-of-time compiles without materialising the [layers, B, S, K, H] cache."""
   grid, mode = lay.grid, static["mode"]
   L, C, W, Tc = grid.block_len, grid.first_block, grid.window, grid.canvas_len
   Bsz = grid.batch
@@ -127,13 +131,17 @@ def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, 
   valid = jnp.asarray(lay.valid)
   pos = jnp.asarray(lay.positions)
   smoothing = gcfg.smoothing
-  table = params["embed"]
   col = jnp.arange(Tc)
   blk_of = col // L
-  fns: dict[str, Callable[[], Any]] = {}
+  progs: dict[str, tuple[Callable[..., Any], tuple]] = {}
+  dt = abstract_dtype if abstract_dtype is not None else table.dtype
 
   def inputs(x):
-    return {"embeds": jnp.take(table, x, axis=0)} if smoothing else {"tokens": x}
+    if not smoothing:
+      return {"tokens": x}
+    if abstract_dtype is not None:
+      return {"embeds": jax.ShapeDtypeStruct(x.shape + (mcfg.d_model,), dt)}
+    return {"embeds": jnp.take(table, x, axis=0)}
 
   if mode != "block_diffusion":
     mask = ((blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]) if static["block_causal"] else valid
@@ -143,27 +151,41 @@ def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, 
     def full_fwd(p, inp, ps, m, s):
       out = forward(p, mcfg, positions=ps, mask=m, logits_start=s, **inp, **lg)
       return (out.logits, out.kv) if keep_kv else out.logits
-    full = _chained(full_fwd, chain)
-    full_in = inputs(canvas)
-    fns["full"] = lambda: full(params, full_in, pos, mask, jnp.int32(C))
+    progs["full"] = (full_fwd, (inputs(canvas), pos, mask, jnp.int32(C)))
   if mode in ("prefix", "dual", "block_diffusion"):
     c0 = C if mode == "block_diffusion" else int(min(max(C - gcfg.prefix_look, 0), Tc - W))
     if mode == "prefix":
       c0 = C
-    cache = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, table.dtype)
-    win_in = inputs(canvas[:, c0:c0 + W])
-    wpos = pos[:, c0:c0 + W]
+    shape = (mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim)
+    if abstract_dtype is not None:
+      cache = KVCache(k=jax.ShapeDtypeStruct(shape, dt), v=jax.ShapeDtypeStruct(shape, dt))
+    else:
+      cache = KVCache.zeros(*shape, dt)
     write = jnp.ones((Bsz, W), bool)
     lg = {} if smoothing else {"logits_len": L}
-    cached = _chained(lambda p, inp, kv, ps, m, wm, c, s: forward(
-        p, mcfg, positions=ps, mask=m, cache=kv, cache_start=c, write_mask=wm, logits_start=s, **inp, **lg).logits,
-        chain)
-    fns["cached"] = lambda: cached(params, win_in, cache, wpos, valid, write, jnp.int32(c0), jnp.int32(C - c0))
+
+    def cached_fwd(p, inp, kv, ps, m, wm, c, s):
+      return forward(p, mcfg, positions=ps, mask=m, cache=kv, cache_start=c, write_mask=wm, logits_start=s,
+                     **inp, **lg).logits
+    progs["cached"] = (cached_fwd, (inputs(canvas[:, c0:c0 + W]), cache, pos[:, c0:c0 + W], valid, write,
+                                    jnp.int32(c0), jnp.int32(C - c0)))
   if mode == "block_diffusion":
     P = grid.prefill_len
     bc = (blk_of[None, :P, None] >= blk_of[None, None, :P]) & valid[:, None, :P]
-    pre = _chained(lambda p, inp, ps, m: forward(p, mcfg, positions=ps, mask=m, **inp).kv, chain)
-    fns["prefill"] = lambda: pre(params, {"tokens": canvas[:, :P]}, pos[:, :P], bc)
+    progs["prefill"] = (lambda p, inp, ps, m: forward(p, mcfg, positions=ps, mask=m, **inp).kv,
+                        ({"tokens": canvas[:, :P]}, pos[:, :P], bc))
+  return progs
+
+
+def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *,
+                chain: int = 0) -> dict[str, Callable[[], Any]]:
+  """One zero-argument callable per kind of forward the engine runs for this layout (forward_programs),
+  each jitted. chain=n: each callable runs n such forwards back to back in one program instead."""
+  fns: dict[str, Callable[[], Any]] = {}
+  params = gen_lib.inference_params(params)  # the layout the engine's program runs on
+  for kind, (f, args) in forward_programs(mcfg, gcfg, lay, static, table=params["embed"]).items():
+    jf = _chained(f, chain)
+    fns[kind] = functools.partial(jf, params, *args)
   return fns
 
 

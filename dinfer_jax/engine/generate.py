@@ -75,19 +75,25 @@ def engine_mode(mcfg: ModelConfig, gcfg: GenerationConfig) -> tuple[str, bool]:
   return gcfg.cache, False
 
 
+def bucket_rows(n: int) -> int:
+  """Rows of the compiled program for n prompts: powers of two up to 16, then multiples of 16, so a new
+  batch size reuses a compiled program (the extra rows stay invalid: they never decode and cost no NFE)."""
+  if n <= 16:
+    return 1 << (n - 1).bit_length()
+  return -(-n // 16) * 16
+
+
 def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *,
             batch_bucket: int | None = None, row_multiple: int = 1) -> tuple[Layout, dict[str, Any]]:
   """Validates and lays out the prompts; returns the layout and the static arguments of the program.
-  batch_bucket: pad the batch with invalid rows up to this many (one compiled program per bucket).
+  batch_bucket: run at this many rows (default bucket_rows(len(prompts))); the extra rows are invalid.
   row_multiple: the canvas gets a multiple of this many rows (the data-parallel width: every device takes
   an equal share; the added rows are invalid and never decode)."""
   mode, block_causal = engine_mode(mcfg, gcfg)
   prompts = normalize_prompts(prompts)
   if batch_bucket is not None and batch_bucket < len(prompts):
     raise ValueError(f"generate: batch_bucket={batch_bucket} is smaller than the {len(prompts)} prompts")
-  rows = batch_bucket
-  if row_multiple > 1:
-    rows = round_up(rows or len(prompts), row_multiple)
+  rows = round_up(batch_bucket or bucket_rows(len(prompts)), row_multiple)
   lay = make_layout(prompts, gcfg, mcfg, block_diffusion=block_causal or mode == "block_diffusion",
                     batch_bucket=rows)
   mask_id = gcfg.mask_id if gcfg.mask_id is not None else mcfg.mask_token_id
@@ -97,19 +103,46 @@ def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *,
   return lay, static
 
 
+_LAST_UNSTACKED: list = []  # [(stacked params, mesh, their per-layer layout)]: the last params generate saw
+
+
+def inference_params(params: dict, mcfg: ModelConfig | None = None, mesh: jax.sharding.Mesh | None = None) -> dict:
+  """The per-layer layout the program runs on (params_lib.unstack_layers), made once per params object
+  (and mesh, where its leaves are placed as the logical-axis rules say): the last one is kept next to the
+  stacked params (weights memory x2) so repeated calls reuse it."""
+  if params_lib.is_unstacked(params):
+    return params
+  if _LAST_UNSTACKED and _LAST_UNSTACKED[0][0] is params and _LAST_UNSTACKED[0][1] is mesh:
+    return _LAST_UNSTACKED[0][2]
+  un = params_lib.unstack_layers(params)
+  if mesh is not None:
+    un = jax.device_put(un, unstacked_shardings(un, mcfg, mesh))
+  _LAST_UNSTACKED[:] = [(params, mesh, un)]
+  return un
+
+
+def unstacked_shardings(un: dict, mcfg: ModelConfig, mesh: jax.sharding.Mesh) -> dict:
+  """NamedShardings of the per-layer layout: each layer's leaves keep their logical axes minus "layers"."""
+  axes = params_lib.logical_axes(mcfg)
+  is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+  for name in params_lib.LAYER_GROUPS:
+    if name in axes:
+      per_layer = jax.tree_util.tree_map(lambda ax: ax[1:], axes[name], is_leaf=is_axes)
+      axes[name] = [per_layer] * len(un[name])
+  return sharding.param_shardings(un, axes, mesh)
+
+
 def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *, seed: int = 0,
                     batch_bucket: int | None = None, on_block=None, mesh: jax.sharding.Mesh | None = None):
   """Runs the program; returns (layout, device outputs) without host post-processing (for benchmarks).
   on_block(block_index, rows_tokens): see generate. With a mesh the program runs with explicit in/out
   shardings (see sharded_run)."""
   lay, static = prepare(mcfg, prompts, gcfg, batch_bucket=batch_bucket, row_multiple=sharding.data_size(mesh))
-  args = (params, jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions),
-          jax.random.PRNGKey(seed))
+  params = inference_params(params, mcfg, mesh)
   if mesh is not None:
     if on_block is not None:
       raise ValueError("generate: streaming (on_block) is not supported together with a mesh yet")
-    p_sh = sharding.param_shardings(params, params_lib.logical_axes(mcfg), mesh)
-    leaves, treedef = jax.tree_util.tree_flatten(p_sh)
+    leaves, treedef = jax.tree_util.tree_flatten(unstacked_shardings(params, mcfg, mesh))
     rows = sharding.row_sharded(mesh, lay.canvas.shape)
     arrays = [sharding.put_global(a, rows) for a in (lay.canvas, lay.valid, lay.positions)]
     with use_mesh(mesh):
@@ -117,6 +150,8 @@ def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationCo
                                 jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
       out = sharded_run(mesh, treedef, tuple(leaves), tuple(sorted(static.items())))(params, *arrays, key)
     return lay, out, static
+  args = (params, jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions),
+          jax.random.PRNGKey(seed))
   if on_block is None:
     return lay, loop.run_jit()(*args, **static), static
   sid = loop.register_stream(_row_tokens_callback(lay, len(normalize_prompts(prompts)), static["eos_id"], on_block))

@@ -1,15 +1,21 @@
 """Mixture of experts: the two routers, two dropless expert kernels and a plain loop reference.
 
 Kernels (chosen by `moe_impl`, "auto" picks per backend and token count, see `choose_impl`):
-- "dense": every expert on every token, then weighted by the (mostly zero) routing matrix. E/k times the
-  FLOPs, but one batched einsum. At small token counts a MoE forward is bound by reading expert weights
-  anyway (a 64-token block at batch 1 touches all 64 experts of LLaDA-MoE), so the wasted FLOPs are free
-  up to the roofline's ridge point.
-- "ragged": sort the (token, expert) pairs by expert and run a grouped matmul (`jax.lax.ragged_dot`).
-  FLOPs are exactly the routed ones; this is the path for many tokens on GPU.
+- "dense": every expert on every token, weighted by the (mostly zero) routing matrix. E/k times the FLOPs,
+  but batched GEMMs that read each expert's weights in place. At small token counts a MoE forward is bound
+  by reading expert weights anyway (a 64-token block at batch 1 touches all 64 experts of LLaDA-MoE), so
+  the wasted FLOPs are free up to the roofline's ridge point.
+- "ragged": sort the (token, expert) pairs by expert and run a grouped matmul: FLOPs are exactly the routed
+  ones. On GPU the grouped matmul is tokamax's Pallas-Triton kernel; XLA's own `jax.lax.ragged_dot` is
+  lowered there by zero-padding to a dense GEMM over all experts (E x the routed FLOPs, worse than "dense";
+  roofline bench), so without tokamax "auto" never picks ragged on GPU. Elsewhere it is `jax.lax.ragged_dot`.
 `moe_loop_reference` loops over experts in Python; tests compare both kernels against it.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +23,18 @@ import jax.numpy as jnp
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model.layers import swiglu
 
-# Token count above which "auto" switches from the dense kernel to ragged_dot on accelerators. The dense
+# Token count above which "auto" switches from the dense kernel to the grouped GEMM on GPU. The dense
 # kernel does T*E expert-FLOPs against E expert weights, i.e. about T FLOPs per weight byte in bf16; an
-# H200 (790 TFLOP/s, 4.8 TB/s) is bound by weight reads below ~165 FLOPs/byte, so dense is free up to
-# about that many tokens. On CPU ragged_dot is far slower than a batched einsum (BENCHMARKS.md: measured
-# 30-100x), so CPU always uses dense.
+# H200 (990 TFLOP/s, 4.8 TB/s) is bound by weight reads below ~200 FLOPs/byte, so dense is free up to
+# about that many tokens (roofline bench: a batch-1 64-token block is at 1.1x the weight floor with dense).
+# On CPU ragged_dot is far slower than a batched einsum (BENCHMARKS.md: measured 2.4-6x), so CPU always
+# uses dense.
 ACCEL_DENSE_MAX_TOKENS = 128
+
+
+def has_gpu_grouped_gemm() -> bool:
+  """tokamax (the `cuda12` extra) provides the GPU grouped GEMM."""
+  return importlib.util.find_spec("tokamax") is not None
 
 
 def route(h: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -58,23 +70,67 @@ def route(h: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Arra
   return w, idx.astype(jnp.int32)
 
 
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("dinfer_jax_target_backend", default=None)
+
+
+@contextlib.contextmanager
+def target_backend(name: str | None):
+  """Trace kernel choices for another backend than the one running ("gpu" while compiling deviceless for an
+  H200 from a CPU-only process: the roofline bench)."""
+  tok = _TARGET.set(name)
+  try:
+    yield
+  finally:
+    _TARGET.reset(tok)
+
+
+def backend() -> str:
+  """The backend kernel choices are made for: target_backend's, else the default backend."""
+  return _TARGET.get() or jax.default_backend()
+
+
 def choose_impl(cfg: ModelConfig, n_tokens: int) -> str:
   if cfg.moe_impl != "auto":
     return cfg.moe_impl
-  if jax.default_backend() == "cpu" or n_tokens <= ACCEL_DENSE_MAX_TOKENS:
+  if backend() == "cpu" or n_tokens <= ACCEL_DENSE_MAX_TOKENS:
+    return "dense"
+  if backend() == "gpu" and not has_gpu_grouped_gemm():
     return "dense"
   return "ragged"
 
 
+def _tokamax():
+  # tokamax reads its settings from absl flags, which would otherwise parse this program's sys.argv.
+  from absl import flags
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  import tokamax
+  return tokamax
+
+
+def _grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+  """x [M, K] rows sorted by group, w [G, K, N], sizes [G] -> [M, N]: one GEMM per group's rows."""
+  if backend() == "gpu" and has_gpu_grouped_gemm():
+    return _tokamax().ragged_dot(x, w, sizes, implementation="triton")
+  return jax.lax.ragged_dot(x, w, sizes)
+
+
 def experts_dense(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
-  """Every expert on every token; h [T, D] -> [T, D]."""
+  """Every expert on every token; h [T, D] -> [T, D].
+
+  Written as batched GEMMs over E so each expert's [D, F] kernel is read where it lies ("TD,EDF->TEF" makes
+  XLA transpose every layer's weights to [D, E, F] first), with the routing weights folded into the
+  activations so the down projection contracts experts and F in one GEMM straight to [T, D] in fp32 (no
+  [T, E, D] intermediate; the fp32 weighted sum of MaxText's float32_weight_sum happens in the accumulator).
+  """
   dt = h.dtype
-  combine = jnp.zeros((h.shape[0], n_experts), jnp.float32).at[jnp.arange(h.shape[0])[:, None], idx].add(w)
-  g = jnp.einsum("TD,EDF->TEF", h, ex["gate"].astype(dt))
-  u = jnp.einsum("TD,EDF->TEF", h, ex["up"].astype(dt))
-  y = jnp.einsum("TEF,EFD->TED", jax.nn.silu(g) * u, ex["down"].astype(dt))
-  # The weighted sum over experts in fp32 (MaxText's float32_weight_sum), then back to the activation dtype.
-  return jnp.einsum("TED,TE->TD", y.astype(jnp.float32), combine).astype(dt)
+  T = h.shape[0]
+  combine = jnp.zeros((T, n_experts), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
+  hb = jnp.broadcast_to(h, (n_experts,) + h.shape)
+  g = jnp.einsum("ETD,EDF->ETF", hb, ex["gate"].astype(dt))
+  u = jnp.einsum("ETD,EDF->ETF", hb, ex["up"].astype(dt))
+  a = ((jax.nn.silu(g) * u).astype(jnp.float32) * combine.T[:, :, None]).astype(dt)
+  return jnp.einsum("ETF,EFD->TD", a, ex["down"].astype(dt), preferred_element_type=jnp.float32).astype(dt)
 
 
 def experts_ragged(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
@@ -86,9 +142,9 @@ def experts_ragged(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_exper
   tok = order // k  # the token each sorted row came from
   xs = h[tok]  # [T*k, D]
   sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
-  g = jax.lax.ragged_dot(xs, ex["gate"].astype(dt), sizes)
-  u = jax.lax.ragged_dot(xs, ex["up"].astype(dt), sizes)
-  ys = jax.lax.ragged_dot(jax.nn.silu(g) * u, ex["down"].astype(dt), sizes)  # [T*k, D]
+  g = _grouped_dot(xs, ex["gate"].astype(dt), sizes)
+  u = _grouped_dot(xs, ex["up"].astype(dt), sizes)
+  ys = _grouped_dot(jax.nn.silu(g) * u, ex["down"].astype(dt), sizes)  # [T*k, D]
   ws = w.reshape(-1)[order]
   out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(ys.astype(jnp.float32) * ws[:, None])
   return out.astype(dt)

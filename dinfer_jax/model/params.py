@@ -159,3 +159,28 @@ def _fan_in(path, spec: ParamSpec, cfg: ModelConfig) -> int:
   if name == "down":
     return spec.shape[-2]
   return spec.shape[-1]
+
+
+LAYER_GROUPS = ("dense_layers", "moe_layers")
+
+
+def unstack_layers(params: dict[str, Any], take=None) -> dict[str, Any]:
+  """The inference layout: each stacked layer group becomes a list of per-layer trees (separate buffers).
+
+  On GPU, library kernels (cuBLAS GEMMs, tokamax's Triton grouped GEMM) take whole buffers: fed a slice of
+  the [layers, ...] stack, XLA copies the layer's weights out first (roofline bench). The leaves keep their
+  per-layer logical axes (the spec's axes without "layers"). take(leaf, i) slices a leaf (default leaf[i];
+  the roofline bench passes one for ShapeDtypeStructs). Already-unstacked groups are returned as they are.
+  """
+  take = take or (lambda a, i: a[i])
+  out = dict(params)
+  for name in LAYER_GROUPS:
+    group = params.get(name)
+    if isinstance(group, dict):
+      n = jax.tree_util.tree_leaves(group)[0].shape[0]
+      out[name] = [jax.tree_util.tree_map(lambda a: take(a, i), group) for i in range(n)]
+  return out
+
+
+def is_unstacked(params: dict[str, Any]) -> bool:
+  return any(isinstance(params.get(name), (list, tuple)) for name in LAYER_GROUPS)

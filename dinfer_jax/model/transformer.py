@@ -1,4 +1,4 @@
-"""The pure forward pass: embed -> lax.scan over stacked layers -> final norm -> fp32 logits.
+"""The pure forward pass: embed -> the layers (unrolled, or lax.scan over the stack) -> final norm -> fp32 logits.
 
 One function serves every forward the engine needs (model.md §4):
 - full forward (no cache): keys are the T inputs; returns their K/V (a cache refresh);
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import moe as moe_lib
-from dinfer_jax.model.attention import attention, mask_bias
+from dinfer_jax.model.attention import attention, attention_mask
 from dinfer_jax.model.layers import rms_norm, rope, swiglu
 from dinfer_jax.sharding import shard
 
@@ -26,7 +26,7 @@ class ForwardOut(NamedTuple):
   kv: KVCache  # [n_layers, B, S, K, H]: the keys/values this forward attended to
 
 
-def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, bias, cache_start, write_mask, moe_impl):
+def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_start, write_mask, moe_impl):
   """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None."""
   dt = x.dtype
   h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
@@ -53,7 +53,7 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, bias, cache_
       v = jnp.where(wm, v, jax.lax.dynamic_slice_in_dim(cv, cache_start, T, axis=1).astype(dt))
     keys = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_start, axis=1).astype(dt)
     vals = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_start, axis=1).astype(dt)
-  a = attention(q, keys, vals, bias)
+  a = attention(q, keys, vals, mask)
   x = x + jnp.einsum("BTNH,NHD->BTD", a, lp["o"].astype(dt))
   h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
   if moe:
@@ -69,11 +69,11 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
             mask: jax.Array | None = None, cache: KVCache | None = None,
             cache_start: jax.Array | int | None = None, write_mask: jax.Array | None = None,
             logits_start: jax.Array | int = 0, logits_len: int | None = None,
-            moe_impl: str | None = None) -> ForwardOut:
+            moe_impl: str | None = None, unroll_layers: bool = True) -> ForwardOut:
   """Pure forward.
 
   Args:
-    params: the param tree (model/params.py).
+    params: the param tree (model/params.py), stacked or with per-layer lists (params.unstack_layers).
     tokens: [B, T] int token ids, or None when `embeds` [B, T, D] is given (iteration smoothing).
     positions: [B, T] absolute RoPE positions (default arange(T) per row).
     mask: None (full bidirectional), [B, S] key validity or [B, T, S] per-query mask; True = may attend.
@@ -82,7 +82,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     write_mask: [B, T] bool; inputs whose fresh K/V replace the cached ones (default: all).
     logits_start, logits_len: compute logits only for inputs [start, start + len) (the LM head is the
       largest matmul at V=157k; the engine only needs the block's logits).
-    moe_impl: override cfg.moe_impl for this call ("dense", "ragged", "loop").
+    moe_impl: override cfg.moe_impl for this call ("dense", "ragged", "grouped", "loop").
+    unroll_layers: one traced block per layer (inference: weights read in place) or a lax.scan over the
+      stacked layers (one traced block: faster compiles, e.g. for training).
   Returns:
     ForwardOut(logits [B, T', V] fp32, kv of every layer [n_layers, B, S, K, H]).
   """
@@ -99,7 +101,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
   if cache is not None and cache_start is None:
     raise ValueError("forward: a cache needs cache_start")
-  bias = mask_bias(mask, T)
+  amask = attention_mask(mask, T)
   x = shard(x, ("act_batch", "act_len", "act_embed"))
 
   ks, vs = [], []
@@ -108,14 +110,31 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     if n == 0:
       continue
     kv_in = None if cache is None else (cache.k[start:start + n], cache.v[start:start + n])
-    body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, bias=bias,
+    body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, mask=amask,
                              cache_start=cache_start, write_mask=write_mask, moe_impl=moe_impl)
-    if kv_in is None:
-      x, (k, v) = jax.lax.scan(lambda c, lp: body(c, lp, None), x, params[name])
+    if isinstance(params[name], (list, tuple)):
+      # Per-layer buffers (params.unstack_layers): every kernel, cuBLAS and Triton custom calls included,
+      # reads the layer's weights in place.
+      for i, lp in enumerate(params[name]):
+        x, (k, v) = body(x, lp, None if kv_in is None else (kv_in[0][i], kv_in[1][i]))
+        ks.append(k[None])
+        vs.append(v[None])
+    elif unroll_layers:
+      # Static per-layer slices of the stacked weights: the GEMMs read them in place. Under lax.scan the
+      # GPU compile copies every layer's expert weights out of the stack first (the roofline bench: 27 of
+      # the 50 GB of a 7B-A1B cached forward were those copies).
+      for i in range(n):
+        lp = jax.tree_util.tree_map(lambda a: a[i], params[name])
+        x, (k, v) = body(x, lp, None if kv_in is None else (kv_in[0][i], kv_in[1][i]))
+        ks.append(k[None])
+        vs.append(v[None])
     else:
-      x, (k, v) = jax.lax.scan(lambda c, xs: body(c, xs[0], xs[1]), x, (params[name], kv_in))
-    ks.append(k)
-    vs.append(v)
+      if kv_in is None:
+        x, (k, v) = jax.lax.scan(lambda c, lp: body(c, lp, None), x, params[name])
+      else:
+        x, (k, v) = jax.lax.scan(lambda c, xs: body(c, xs[0], xs[1]), x, (params[name], kv_in))
+      ks.append(k)
+      vs.append(v)
     start += n
   kv = KVCache(k=jnp.concatenate(ks) if len(ks) > 1 else ks[0], v=jnp.concatenate(vs) if len(vs) > 1 else vs[0])
 

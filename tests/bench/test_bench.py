@@ -140,3 +140,16 @@ def test_bench_default_model(tmp_path):
   assert cli.main(["bench", "--variants", "engine", "--repeats", "1", "--no-progress", "--json", str(out)]) == 0
   d = json.loads(out.read_text())
   assert d["prompts"] == len(throughput.TEXT_PROMPTS) and d["nfe"] > 0 and d["per_seq_tps_mean"] > 0
+
+
+def test_bench_preset_random_model(tmp_path):
+  """--preset: a named shape with random weights; its gen/block length unless flags say otherwise."""
+  out = tmp_path / "p.json"
+  assert cli.main(["bench", "--preset", "tiny", "--variants", "engine,stepped", "--repeats", "1", "--gen-length", "16",
+                   "--cache", "dual", "--no-progress", "--json", str(out)]) == 0
+  res = json.loads(out.read_text())
+  assert res["model"] == "preset:tiny" and res["prompts"] == 4
+  assert res["config"]["gen_length"] == 16 and res["config"]["block_length"] == 16  # tiny preset's block
+  eng, st = res["variants"]["engine"], res["variants"]["stepped"]
+  assert eng["nfe"] == st["nfe"] and eng["tokens"] == st["tokens"]
+  assert res["vs_python_stepped"] > 0

@@ -1,0 +1,466 @@
+"""GPU speed on paper: compile the engine's forwards and generate program for an H200/H100 without a GPU and
+read the bytes and FLOPs XLA's optimised module moves.
+
+python -m dinfer_jax.bench.roofline [--preset llada_moe_7b_a1b] [--chip h200] [--batches 1,8]
+                                    [--caches dual] [--tpf 3.87] [--json FILE]
+python -m dinfer_jax.bench.roofline --preset tiny --target cpu     # no CUDA plugin needed (CI)
+
+Targets:
+- cuda (default when the CUDA plugin is installed, `pip install jax[cuda12]`): a deviceless ahead-of-time
+  compile for the chip's GpuTargetConfig (jax.experimental.topologies), run with JAX_PLATFORMS=cpu; XLA's
+  cost analysis of the GPU-optimised module, run by the CPU client;
+- cpu: the same measurement of the CPU-optimised module. Its bytes/FLOPs are the CPU compiler's, labelled
+  as such: use it to exercise the bench anywhere, not to predict GPU speed.
+
+Per forward (the refresh forward over the whole canvas, the cached forward over the window) it reports FLOPs
+and bytes accessed with every while loop (the layer scan) counted body x trip count, the temp memory, the
+floor (bytes the forward must move: every weight it touches, K/V read and written, embedding rows, fp32
+logits written; gpu_check.bytes_per_forward), bytes/floor, routed FLOPs (gpu_check.flops_per_forward) and
+the roofline time max(bytes / bandwidth, FLOPs / peak). The whole generate program is compiled too (temp
+memory, host transfers). Predicted TPS at a tokens-per-forward figure: a G-token generation takes G / TPF
+forwards, one refresh per block and the rest cached (all full forwards without a cache).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import re
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dinfer_jax.bench import presets
+from dinfer_jax.bench.gpu_check import bytes_per_forward, flops_per_forward
+from dinfer_jax.bench.throughput import forward_programs
+from dinfer_jax.engine import generate as gen_lib
+from dinfer_jax.engine import loop
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.model import moe
+from dinfer_jax.model import params as params_lib
+
+DINFER_TPF = 3.87  # dInfer, LLaDA-MoE, threshold 0.8 + dual cache (paper Table 1)
+
+_GPU_INFO = """gpu_device_info {{
+  threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472  threads_per_core_limit: 2048  core_count: 132  fpus_per_core: 128
+  block_dim_limit_x: 2147483647  block_dim_limit_y: 65535  block_dim_limit_z: 65535
+  memory_bandwidth: {bw}  l2_cache_size: {l2}  clock_rate_ghz: 1.98
+  device_memory_size: {mem}  shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }}
+  registers_per_core_limit: 65536  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 8 patch: 0 }}
+device_description_str: "{name}"
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  name: str
+  hbm_bytes_per_s: float
+  bf16_flops: float
+  l2_bytes: int
+  memory_bytes: int
+
+  def target_config(self) -> str:
+    return _GPU_INFO.format(bw=int(self.hbm_bytes_per_s), l2=self.l2_bytes, mem=self.memory_bytes, name=self.name)
+
+  def roofline_s(self, flops: float, nbytes: float) -> float:
+    return max(nbytes / self.hbm_bytes_per_s, flops / self.bf16_flops)
+
+
+CHIPS = {
+    "h200": Chip("NVIDIA H200", 4.8e12, 990e12, 52428800, 150754820096),
+    "h100": Chip("NVIDIA H100 80GB HBM3", 3.35e12, 990e12, 52428800, 85520809984),
+}
+
+
+def cuda_plugin_available() -> bool:
+  try:
+    import jax_plugins.xla_cuda12  # noqa: F401
+    return True
+  except ImportError:
+    return False
+
+
+# ----------------------------------------------------------------------------- compile targets
+
+class Target:
+  """Where to compile: abstract inputs carry the target's sharding; kernel choices are traced for it."""
+
+  def __init__(self, kind: str, chip: Chip):
+    if kind not in ("cuda", "cpu"):
+      raise ValueError(f"--target {kind!r}: choose cuda or cpu")
+    self.kind, self.chip = kind, chip
+    self.sharding = None
+    if kind == "cuda":
+      if not cuda_plugin_available():
+        raise ValueError("--target cuda needs the CUDA plugin: pip install 'jax[cuda12]' (or use --target cpu)")
+      from jax.experimental import topologies
+      from jax.sharding import NamedSharding, PartitionSpec
+      topo = topologies.get_topology_desc(platform="cuda", target_config=chip.target_config(), topology="1x1x1")
+      mesh = topologies.make_mesh(topo, (1,), ("x",))
+      self.sharding = NamedSharding(mesh, PartitionSpec())
+
+  @property
+  def label(self) -> str:
+    return f"{self.chip.name} (deviceless CUDA compile)" if self.kind == "cuda" else "CPU compile (CPU-optimised HLO, not a GPU prediction)"
+
+  @property
+  def backend(self) -> str:
+    return "gpu" if self.kind == "cuda" else "cpu"
+
+  def abstract(self, tree):
+    def one(a):
+      return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.sharding)
+    return jax.tree_util.tree_map(one, tree)
+
+  def compile(self, fn, *args, static: dict | None = None, donate=()):
+    with moe.target_backend(self.backend), _deviceless_tokamax(self.kind == "cuda"):
+      t = time.perf_counter()
+      jf = jax.jit(fn, static_argnames=tuple(static or ()), donate_argnums=donate if self.kind == "cuda" else ())
+      compiled = jf.lower(*args, **(static or {})).compile()
+      return compiled, time.perf_counter() - t
+
+
+@contextlib.contextmanager
+def _deviceless_tokamax(on: bool):
+  """tokamax checks the default device (this process's CPU) before lowering its Triton kernels; with no GPU
+  here, tell it the target is one. Only the bench's deviceless compiles do this."""
+  if not (on and moe.has_gpu_grouped_gemm()):
+    yield
+    return
+  from tokamax._src.ops.ragged_dot import pallas_triton
+  cls = pallas_triton.PallasTritonRaggedDot
+  saved = cls.supported_on
+  cls.supported_on = lambda self, device: True
+  try:
+    yield
+  finally:
+    cls.supported_on = saved
+
+
+# ----------------------------------------------------------------------------- cost of the optimised module
+
+_DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+_ARRAY = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
+_KERNEL = re.compile(r'= (.*?) custom-call\(.*custom_call_target="(__gpu\$xla\.gpu\.triton|__cudnn\$fmha[\w$]*)".*?'
+                     r'operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}')
+
+
+def _dims(s: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(s)]
+
+
+def _nbytes(arrays) -> int:
+  return sum(_DT_BYTES[dt] * int(np.prod(shape)) for dt, shape in arrays)
+
+
+def kernel_call_cost(line: str) -> dict[str, float] | None:
+  """Cost analysis sees a Pallas-Triton or cuDNN attention kernel as an opaque custom call (0 bytes, 0
+  FLOPs). Count its operands and outputs once, and the FLOPs of a grouped GEMM (x [M, K], w [G, K, N] ->
+  [M, N]: 2 M K N) or of attention (q [B, T, N, H], k [B, S, K, H]: 4 B N T S H)."""
+  m = _KERNEL.search(line)
+  if not m:
+    return None
+  outs, ins = _dims(m.group(1)), _dims(m.group(3))
+  flops = 0.0
+  if m.group(2).startswith("__cudnn") and len(ins) >= 2 and len(ins[0][1]) == 4:
+    (B, T, N, H), S = ins[0][1], ins[1][1][1]
+    flops = 4.0 * B * N * T * S * H
+  elif len(ins) >= 2 and len(ins[0][1]) == 2 and len(ins[1][1]) == 3 and outs and len(outs[0][1]) == 2:
+    (M, K), (_, K2, N) = ins[0][1], ins[1][1]
+    if K == K2 and outs[0][1] == (M, N):
+      flops = 2.0 * M * K * N
+  return {"flops": flops, "bytes": float(_nbytes(ins) + _nbytes(outs))}
+
+_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(")
+_WHILE = re.compile(r"\bwhile\(.*?body=%([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_HOST = re.compile(r"\b(infeed|outfeed|send|recv|send-done|recv-done)\(|xla_python_cpu_callback|xla_python_gpu_callback|xla_ffi_python")
+
+
+class ModuleCost:
+  """XLA's cost analysis of an optimised module with every while loop counted body x trip count.
+
+  Cost analysis visits a loop body once. total(c) = flat(c) + sum over c's loops of n * total(body) -
+  flat(body), where flat(c) is the analysis of the module re-rooted at c (text round trip). A loop without a
+  known trip count (the generate program's data-dependent loops) counts once and is listed as unknown."""
+
+  def __init__(self, hlo_text: str):
+    from jaxlib import _hlo
+    self._from_text = _hlo.hlo_module_from_text
+    self._client = jax.devices("cpu")[0].client
+    self.lines = hlo_text.splitlines()
+    self.comps: dict[str, list[int]] = {}  # name -> [header line index, ...]
+    self.entry = None
+    cur = None
+    for i, line in enumerate(self.lines):
+      m = _HEADER.match(line)
+      if m:
+        cur = m.group(2)
+        self.comps[cur] = [i]
+        if m.group(1):
+          self.entry = cur
+      elif cur is not None:
+        self.comps[cur].append(i)
+    self.unknown_trip_loops = 0
+    self.kernel_calls = 0
+    self._flat: dict[str, dict[str, float]] = {}
+    self.host_ops = sum(1 for line in self.lines if _HOST.search(line))
+
+  def _loops(self, comp: str) -> list[tuple[str, int | None]]:
+    out = []
+    for i in self.comps[comp]:
+      line = self.lines[i]
+      m = _WHILE.search(line)
+      if m:
+        t = _TRIP.search(line)
+        out.append((m.group(1), int(t.group(1)) if t else None))
+    return out
+
+  def flat(self, comp: str) -> dict[str, float]:
+    if comp not in self._flat:
+      lines = ["HloModule rerooted"]
+      for i, line in enumerate(self.lines[1:], start=1):
+        if line.startswith("ENTRY "):
+          line = line[len("ENTRY "):]
+        if i == self.comps[comp][0]:
+          line = "ENTRY " + line
+        lines.append(line)
+      from jax._src.lib import _jax
+      c = _jax.hlo_module_cost_analysis(self._client, self._from_text("\n".join(lines)))
+      self._flat[comp] = {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))}
+    return self._flat[comp]
+
+  def opaque(self, comp: str) -> dict[str, float]:
+    out = {"flops": 0.0, "bytes": 0.0}
+    for i in self.comps[comp]:
+      c = kernel_call_cost(self.lines[i])
+      if c:
+        self.kernel_calls += 1
+        for k in out:
+          out[k] += c[k]
+    return out
+
+  def total(self, comp: str | None = None) -> dict[str, float]:
+    comp = comp or self.entry
+    out = dict(self.flat(comp))
+    for k, v in self.opaque(comp).items():
+      out[k] += v
+    for body, n in self._loops(comp):
+      if n is None:
+        self.unknown_trip_loops += 1
+        n = 1
+      inner, flat = self.total(body), self.flat(body)
+      for k in out:
+        out[k] += n * inner[k] - flat[k]
+    return out
+
+
+def compiled_text(compiled) -> str:
+  return compiled.runtime_executable().hlo_modules()[0].to_string()
+
+
+def memory(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  return {"temp_bytes": int(m.temp_size_in_bytes), "argument_bytes": int(m.argument_size_in_bytes),
+          "output_bytes": int(m.output_size_in_bytes)}
+
+
+# ----------------------------------------------------------------------------- the bench
+
+def _prompts(cfg, batch: int, length: int) -> list[list[int]]:
+  bad = {cfg.mask_token_id, cfg.eos_token_id}
+  return [[t if t not in bad else 7 for t in range(10 + r, 10 + r + length)] for r in range(batch)]
+
+
+def generation_config(preset: presets.Preset, cache: str) -> GenerationConfig:
+  return GenerationConfig(gen_length=preset.gen_length, block_length=preset.block_length, cache=cache,
+                          threshold=0.8, prompt_bucket=preset.block_length, early_stop=True)
+
+
+def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dtype=jnp.bfloat16,
+                 with_generate: bool = True) -> list[dict[str, Any]]:
+  """One row per forward kind (refresh/full and cached) plus one for the generate program."""
+  preset = presets.get(preset_name)
+  cfg = preset.model()
+  gcfg = generation_config(preset, cache)
+  lay, static = gen_lib.prepare(cfg, _prompts(cfg, batch, preset.prompt_length), gcfg)
+  grid = lay.grid
+  # The engine runs on the per-layer layout (generate.inference_params).
+  aparams = target.abstract(params_lib.unstack_layers(
+      params_lib.abstract_params(cfg, dtype), take=lambda a, i: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)))
+  dbytes = jnp.dtype(dtype).itemsize
+  L, Tc, W = grid.block_len, grid.canvas_len, grid.window
+  rows = []
+  for kind, (f, args) in forward_programs(cfg, gcfg, lay, static, abstract_dtype=dtype).items():
+    compiled, compile_s = target.compile(f, aparams, *target.abstract(args))
+    mc = ModuleCost(compiled_text(compiled))
+    cost = mc.total()
+    tokens = Tc if kind == "full" else W
+    kv_len = 0 if kind == "full" else Tc
+    floor = bytes_per_forward(cfg, dtype_bytes=dbytes, batch=batch, tokens=tokens, kv_len=kv_len, logits_tokens=L)
+    floor_bytes = floor["total"] + batch * L * cfg.vocab_size * 4  # fp32 logits written
+    routed = flops_per_forward(cfg, batch=batch, tokens=tokens, kv_len=Tc, logits_tokens=L)
+    with moe.target_backend(target.backend):
+      impl = moe.choose_impl(cfg, batch * tokens) if cfg.n_moe_layers else "n/a"
+      if impl == "ragged":
+        impl += "/tokamax" if (target.kind == "cuda" and moe.has_gpu_grouped_gemm()) else "/xla"
+    rows.append({
+        "preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch, "cache": cache,
+        "kind": "refresh" if (kind == "full" and cache != "none") else kind, "tokens": tokens, "kv_len": kv_len,
+        "moe_impl": impl, "flops": cost["flops"], "bytes": cost["bytes"], **memory(compiled),
+        "floor_bytes": floor_bytes, "bytes_over_floor": cost["bytes"] / floor_bytes, "routed_flops": routed,
+        "flops_over_routed": cost["flops"] / routed, "roofline_ms": 1e3 * target.chip.roofline_s(cost["flops"], cost["bytes"]),
+        "floor_ms": 1e3 * target.chip.roofline_s(routed, floor_bytes), "unknown_trip_loops": mc.unknown_trip_loops,
+        "host_ops": mc.host_ops, "kernel_calls": mc.kernel_calls, "compile_s": compile_s,
+    })
+  if with_generate:
+    args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
+    compiled, compile_s = target.compile(loop.run, aparams, *target.abstract(args), static=static, donate=(1,))
+    mc = ModuleCost(compiled_text(compiled))
+    rows.append({"preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch,
+                 "cache": cache, "kind": "generate", "tokens": Tc, **memory(compiled), "host_ops": mc.host_ops,
+                 "while_loops": sum(len(mc._loops(c)) for c in mc.comps), "compile_s": compile_s})
+  return rows
+
+
+def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float) -> list[dict[str, Any]]:
+  """Predicted TPS per (batch, cache) at tpf tokens per forward from the forwards' roofline times."""
+  preset = presets.get(preset_name)
+  G, L = preset.gen_length, preset.block_length
+  out = []
+  keys = sorted({(r["batch"], r["cache"]) for r in rows if r["kind"] != "generate"})
+  for batch, cache in keys:
+    t = {r["kind"]: r["roofline_ms"] / 1e3 for r in rows if (r["batch"], r["cache"]) == (batch, cache) and "roofline_ms" in r}
+    fl = {r["kind"]: r["floor_ms"] / 1e3 for r in rows if (r["batch"], r["cache"]) == (batch, cache) and "floor_ms" in r}
+    forwards = G / tpf
+    if cache == "none":
+      gen_s, floor_s = forwards * t["full"], forwards * fl["full"]
+    else:
+      refreshes = -(-G // L)
+      cached = max(forwards - refreshes, 0.0)
+      gen_s = refreshes * t["refresh"] + cached * t["cached"]
+      floor_s = refreshes * fl["refresh"] + cached * fl["cached"]
+    out.append({"batch": batch, "cache": cache, "tpf": tpf, "generate_ms": 1e3 * gen_s,
+                "predicted_tps_per_seq": G / gen_s, "predicted_tps_aggregate": batch * G / gen_s,
+                "floor_tps_per_seq": G / floor_s})
+  return out
+
+
+def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str], target_kind: str, tpf: float,
+        with_generate: bool = True, progress=print) -> dict[str, Any]:
+  rows, predictions, label = [], [], ""
+  for chip_name in chips:
+    target = Target(target_kind, CHIPS[chip_name])
+    label = target.label if target_kind == "cpu" else "deviceless CUDA compile"
+    chip_rows = []
+    for cache in caches:
+      for b in batches:
+        new = forward_rows(target, preset_name, b, cache, with_generate=with_generate)
+        for r in new:
+          if progress:
+            progress(_line(r))
+        chip_rows += new
+    rows += chip_rows
+    predictions += [dict(p, chip=CHIPS[chip_name].name) for p in predict(chip_rows, preset_name, tpf)]
+  out: dict[str, Any] = {"preset": preset_name, "target": target_kind, "label": label,
+                         "tpf": tpf, "rows": rows, "predictions": predictions, "jax": jax.__version__,
+                         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+  first = CHIPS[chips[0]].name
+  p1 = [p for p in predictions if p["chip"] == first and p["batch"] == 1 and p["cache"] == "dual"]
+  c1 = [r for r in rows if r["chip"] == first and r["batch"] == 1 and r["cache"] == "dual" and r["kind"] == "cached"]
+  out["predicted_tps_batch1"] = p1[0]["predicted_tps_per_seq"] if p1 else None
+  out["cached_bytes_over_floor_batch1"] = c1[0]["bytes_over_floor"] if c1 else None
+  return out
+
+
+def _line(r: dict[str, Any]) -> str:
+  if r["kind"] == "generate":
+    return (f"{r['chip']} b{r['batch']} {r['cache']} generate: temp {r['temp_bytes'] / 1e9:.2f} GB, "
+            f"host ops {r['host_ops']}, compile {r['compile_s']:.1f} s")
+  return (f"{r['chip']} b{r['batch']} {r['cache']} {r['kind']} ({r['moe_impl']}): {r['flops'] / 1e12:.2f} TFLOP, "
+          f"{r['bytes'] / 1e9:.2f} GB (floor {r['floor_bytes'] / 1e9:.2f}, x{r['bytes_over_floor']:.2f}), "
+          f"{r['roofline_ms']:.2f} ms, temp {r['temp_bytes'] / 1e9:.2f} GB, compile {r['compile_s']:.1f} s")
+
+
+def markdown(res: dict[str, Any]) -> str:
+  lines = [f"{res['preset']}, {res['label']}, jax {res['jax']}, {res['date']}", "",
+           "| chip | batch | cache | forward | MoE | TFLOP | routed TFLOP | GB | floor GB | bytes/floor | temp GB "
+           "| roofline ms | floor ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in res["rows"]:
+    if r["kind"] == "generate":
+      continue
+    lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r['kind']} | {r['moe_impl']} | {r['flops'] / 1e12:.3f} "
+                 f"| {r['routed_flops'] / 1e12:.3f} | {r['bytes'] / 1e9:.2f} | {r['floor_bytes'] / 1e9:.2f} "
+                 f"| {r['bytes_over_floor']:.2f} | {r['temp_bytes'] / 1e9:.3f} | {r['roofline_ms']:.2f} | {r['floor_ms']:.2f} |")
+  lines += ["", "| chip | batch | cache | generate program temp GB | host transfers | compile s |", "|---|---|---|---|---|---|"]
+  for r in res["rows"]:
+    if r["kind"] == "generate":
+      lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r['temp_bytes'] / 1e9:.3f} | {r['host_ops']} "
+                   f"| {r['compile_s']:.1f} |")
+  lines += ["", f"| chip | batch | cache | predicted TPS per seq at TPF {res['tpf']} | aggregate | floor TPS per seq |",
+            "|---|---|---|---|---|---|"]
+  for p in res["predictions"]:
+    lines.append(f"| {p['chip']} | {p['batch']} | {p['cache']} | {p['predicted_tps_per_seq']:.0f} "
+                 f"| {p['predicted_tps_aggregate']:.0f} | {p['floor_tps_per_seq']:.0f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--preset", default="llada_moe_7b_a1b", choices=sorted(presets.PRESETS))
+  ap.add_argument("--chips", default="h200", help=f"comma list of {', '.join(CHIPS)}")
+  ap.add_argument("--batches", default="1,8")
+  ap.add_argument("--caches", default="dual", help="comma list of none, prefix, dual")
+  ap.add_argument("--target", default=None, choices=["cuda", "cpu"],
+                  help="default: cuda when the CUDA plugin is installed, else cpu")
+  ap.add_argument("--tpf", type=float, default=DINFER_TPF, help="tokens per forward for the predicted TPS")
+  ap.add_argument("--no-generate", action="store_true", help="skip compiling the whole generate program")
+  ap.add_argument("--json", dest="json_out", default=None)
+  args = ap.parse_args(argv)
+  chips = [c.strip() for c in args.chips.split(",") if c.strip()]
+  bad = [c for c in chips if c not in CHIPS]
+  if bad:
+    raise SystemExit(f"--chips: unknown {bad}; choose from {', '.join(CHIPS)}")
+  try:
+    batches = [int(b) for b in args.batches.split(",")]
+  except ValueError:
+    raise SystemExit(f"--batches {args.batches!r}: expected a comma list of positive ints") from None
+  if any(b <= 0 for b in batches):
+    raise SystemExit(f"--batches {args.batches!r}: expected a comma list of positive ints")
+  caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+  bad = [c for c in caches if c not in ("none", "prefix", "dual")]
+  if bad:
+    raise SystemExit(f"--caches: unknown {bad}; choose from none, prefix, dual")
+  target = args.target or ("cuda" if cuda_plugin_available() else "cpu")
+  res = run(args.preset, chips, batches, caches, target, args.tpf, with_generate=not args.no_generate)
+  res["command"] = "python -m dinfer_jax.bench.roofline " + " ".join(argv if argv is not None else sys.argv[1:])
+  print(markdown(res))
+  print(f"\npredicted_tps_batch1: {res['predicted_tps_batch1']}")
+  print(f"cached_bytes_over_floor_batch1: {res['cached_bytes_over_floor_batch1']}")
+  if args.json_out:
+    path = pathlib.Path(args.json_out)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(path)
+  return 0
+
+
+if __name__ == "__main__":
+  if "JAX_PLATFORMS" not in os.environ:
+    # The deviceless compile needs no GPU; never grab one that happens to be there.
+    jax.config.update("jax_platforms", "cpu")
+  sys.exit(main())

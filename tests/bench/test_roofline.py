@@ -1,0 +1,74 @@
+"""The roofline bench: loop-aware cost counting, the tiny preset end to end (CPU target), the CUDA target when
+the plugin is installed."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dinfer_jax.bench import roofline
+
+
+def _scan_matmuls(n_layers: int):
+  def f(w, x):
+    return jax.lax.scan(lambda c, wl: (jnp.tanh(c @ wl), None), x, w)[0]
+  w = jax.ShapeDtypeStruct((n_layers, 128, 128), jnp.float32)
+  x = jax.ShapeDtypeStruct((32, 128), jnp.float32)
+  return jax.jit(f).lower(w, x).compile()
+
+
+def test_module_cost_counts_loop_body_times_trip_count():
+  per_layer = 2 * 32 * 128 * 128
+  for n in (3, 7):
+    mc = roofline.ModuleCost(roofline.compiled_text(_scan_matmuls(n)))
+    flops = mc.total()["flops"]
+    # tanh etc. add a little on top of the matmuls, never a whole layer.
+    assert n * per_layer <= flops < (n + 0.5) * per_layer
+    assert mc.unknown_trip_loops == 0
+    # Every layer reads its [128, 128] weight slice at least once.
+    assert mc.total()["bytes"] >= n * 128 * 128 * 4
+
+
+def test_tiny_preset_cpu_target(tmp_path):
+  out = tmp_path / "r.json"
+  assert roofline.main(["--preset", "tiny", "--target", "cpu", "--batches", "1,2", "--caches", "dual,none",
+                        "--json", str(out)]) == 0
+  res = json.loads(out.read_text())
+  assert res["target"] == "cpu" and "not a GPU prediction" in res["label"]
+  kinds = {(r["batch"], r["cache"], r["kind"]) for r in res["rows"]}
+  assert {(1, "dual", "refresh"), (1, "dual", "cached"), (1, "dual", "generate"), (2, "none", "full")} <= kinds
+  for r in res["rows"]:
+    if r["kind"] == "generate":
+      assert r["host_ops"] == 0 and r["temp_bytes"] > 0
+      continue
+    assert r["flops"] >= r["routed_flops"] * 0.5 and r["bytes"] > 0 and r["floor_bytes"] > 0
+    assert r["bytes_over_floor"] == pytest.approx(r["bytes"] / r["floor_bytes"])
+    assert r["unknown_trip_loops"] == 0
+  cached1 = [r for r in res["rows"] if (r["batch"], r["cache"], r["kind"]) == (1, "dual", "cached")][0]
+  assert res["cached_bytes_over_floor_batch1"] == pytest.approx(cached1["bytes_over_floor"])
+  p1 = [p for p in res["predictions"] if (p["batch"], p["cache"]) == (1, "dual")][0]
+  assert res["predicted_tps_batch1"] == pytest.approx(p1["predicted_tps_per_seq"]) and p1["tpf"] == roofline.DINFER_TPF
+  # The prediction is G tokens over (one refresh per block + the remaining G/TPF forwards cached).
+  t = {r["kind"]: r["roofline_ms"] for r in res["rows"] if (r["batch"], r["cache"]) == (1, "dual") and "roofline_ms" in r}
+  G, L = 64, 16
+  gen_ms = (G // L) * t["refresh"] + (G / roofline.DINFER_TPF - G // L) * t["cached"]
+  assert p1["predicted_tps_per_seq"] == pytest.approx(G / (gen_ms / 1e3))
+
+
+def test_bad_arguments():
+  with pytest.raises(SystemExit, match="--batches"):
+    roofline.main(["--preset", "tiny", "--target", "cpu", "--batches", "0"])
+  with pytest.raises(SystemExit, match="--caches"):
+    roofline.main(["--preset", "tiny", "--target", "cpu", "--caches", "full"])
+
+
+@pytest.mark.skipif(not roofline.cuda_plugin_available(), reason="needs the CUDA plugin (pip install jax[cuda12])")
+def test_tiny_preset_deviceless_cuda(tmp_path):
+  res = roofline.run("tiny", ["h200"], [1], ["dual"], "cuda", roofline.DINFER_TPF)
+  rows = {r["kind"]: r for r in res["rows"]}
+  assert set(rows) == {"refresh", "cached", "generate"}
+  assert rows["cached"]["flops"] > 0 and rows["cached"]["unknown_trip_loops"] == 0
+  assert rows["generate"]["host_ops"] == 0
+  assert res["predicted_tps_batch1"] > 0

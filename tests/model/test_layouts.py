@@ -1,0 +1,83 @@
+"""The inference layout (per-layer buffers), the unrolled vs scanned layer loop, and batch bucketing: same
+numbers, fewer compiled programs."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dinfer_jax.bench.presets import tiny_config
+from dinfer_jax.cache import KVCache
+from dinfer_jax.engine import generate as gen_lib
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.model import params as params_lib
+from dinfer_jax.model.transformer import forward
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = tiny_config()
+  return cfg, params_lib.init_params(cfg, jax.random.PRNGKey(3))
+
+
+def test_unstack_layers_shapes(model):
+  cfg, params = model
+  un = params_lib.unstack_layers(params)
+  assert params_lib.is_unstacked(un) and not params_lib.is_unstacked(params)
+  assert len(un["moe_layers"]) == cfg.n_moe_layers
+  np.testing.assert_array_equal(un["moe_layers"][1]["experts"]["down"], params["moe_layers"]["experts"]["down"][1])
+  assert params_lib.unstack_layers(un) is not un and params_lib.unstack_layers(un)["moe_layers"] is un["moe_layers"]
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_layer_loops_agree(model, cached):
+  cfg, params = model
+  B, T, S = 2, 8, 24
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, 500)
+  kw = {}
+  if cached:
+    kk = jax.random.normal(jax.random.PRNGKey(1), (cfg.n_layers, B, S, cfg.n_kv_heads, cfg.head_dim))
+    kw = dict(cache=KVCache(kk, -kk), cache_start=jnp.int32(5), positions=jnp.broadcast_to(jnp.arange(5, 5 + T), (B, T)))
+  scan = forward(params, cfg, tokens, unroll_layers=False, **kw)
+  unrolled = forward(params, cfg, tokens, unroll_layers=True, **kw)
+  per_layer = forward(params_lib.unstack_layers(params), cfg, tokens, **kw)
+  for out in (unrolled, per_layer):
+    np.testing.assert_allclose(out.logits, scan.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.kv.k, scan.kv.k, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.kv.v, scan.kv.v, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_bucket():
+  assert [gen_lib.bucket_rows(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 8, 8, 16, 16, 32, 48]
+
+
+def test_batch_sizes_share_a_program_and_rows_match_alone(model):
+  cfg, params = model
+  gcfg = GenerationConfig(gen_length=16, block_length=8, cache="dual", threshold=0.9)
+  prompts = [[3, 17, 42, 99, 7], [5, 9, 120], [11, 12, 13, 14]]
+  lay3, _ = gen_lib.prepare(cfg, prompts, gcfg)
+  lay4, _ = gen_lib.prepare(cfg, prompts + [[8, 8, 8]], gcfg)
+  assert lay3.grid == lay4.grid and lay3.grid.batch == 4
+  res = gen_lib.generate((params, cfg), prompts, gcfg)
+  assert len(res.tokens) == 3
+  for i, p in enumerate(prompts):
+    alone = gen_lib.generate((params, cfg), [p], gcfg)
+    assert alone.canvas[0] == res.canvas[i] and alone.row_nfe[0] == res.row_nfe[i]
+
+
+@pytest.mark.parametrize("mask_rank", [2, 3])
+def test_attention_matches_reference(mask_rank):
+  from dinfer_jax.model.attention import attention, attention_mask, attention_reference, mask_bias
+  B, T, S, N, K, H = 2, 5, 9, 4, 2, 8
+  ks = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H))
+  k = jax.random.normal(ks[1], (B, S, K, H))
+  v = jax.random.normal(ks[2], (B, S, K, H))
+  if mask_rank == 2:
+    mask = jax.random.bernoulli(ks[3], 0.7, (B, S)).at[1].set(False)  # row 1: every key masked
+  else:
+    mask = jax.random.bernoulli(ks[3], 0.7, (B, T, S)).at[0, 2].set(False)
+  got = attention(q, k, v, attention_mask(mask, T))
+  want = attention_reference(q, k, v, mask_bias(mask, T))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
