@@ -118,4 +118,4 @@ def test_convert_and_train_subcommands(capsys):
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 4
   with pytest.raises(SystemExit) as e:
     cli.main(["train", "--help"])
-  assert e.value.code == 0 and "{train,export,eval}" in capsys.readouterr().out
+  assert e.value.code == 0 and "{train,export,eval,collect,distill}" in capsys.readouterr().out
