@@ -135,11 +135,17 @@ def _add_collect(sub):
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--no-progress", action="store_true")
   add_generation_flags(p)  # knobs not given come from the model's generation_config.json (and its task rule)
+  from dinfer_jax.sharding import add_parallel_flags
+  add_parallel_flags(p)
   p.set_defaults(func=cmd_collect)
 
 
 def cmd_collect(args) -> int:
+  from dinfer_jax.sharding import setup_parallel
   from train_td import collect
+  if args.mesh:
+    raise ValueError("collect: --mesh is not used: each process runs its share of the batches on its own devices")
+  setup_parallel(args)  # under jax.distributed each process collects its share and writes its own shards
   return collect.main(args)
 
 

@@ -1,7 +1,8 @@
 """Two CPU processes on loopback (4 fake devices each, jax.distributed) give the single-process results.
 
 `dinfer-jax generate` splits the batch rows across the processes (the data axis spans both); `train_td
-train` runs data parallel x model sharded across them and checkpoints through orbax from both.
+train` runs data parallel x model sharded across them and checkpoints through orbax from both; `train_td
+collect` gives each process a share of the batches, written as its own shards.
 """
 import os
 import pathlib
@@ -92,3 +93,18 @@ def test_parallel_flags_fail_with_one_line(argv, msg, capsys):
   assert cli.main(GEN_ARGS[:2] + ["--model", str(MODEL_DIRS["A"])] + argv) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("error: ") and msg in err and "\n" not in err, err
+
+
+def test_collect_on_two_processes_equals_one(tmp_path):
+  from train_td import __main__ as td_main
+  from train_td import td_data
+  args = ["collect", "--model", "default", "--task", "arithmetic", "--n", "12", "--batch", "4", "--no-progress"]
+  assert td_main.main(args + ["--out", str(tmp_path / "one")]) == 0
+  _two_processes("train_td", args + ["--out", str(tmp_path / "two")])
+  shards = sorted(p.name for p in (tmp_path / "two").glob("*.parquet"))
+  assert {n.split("-")[1] for n in shards} == {"000", "001"}, shards  # each process wrote its own shards
+  one, two = td_data.read_records(tmp_path / "one"), td_data.read_records(tmp_path / "two")
+  order = lambda rec: sorted(range(len(rec["index"])), key=lambda i: rec["index"][i])  # noqa: E731
+  assert len(one["index"]) > 0
+  for c in td_data.COLUMNS:
+    assert [one[c][i] for i in order(one)] == [two[c][i] for i in order(two)], c
