@@ -188,33 +188,45 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
 
       V = mcfg.vocab_size
       full_shape = (Bsz, Tc if smoothing else L, V)
-      if mode == "block_diffusion":
-        full_logits = jnp.zeros(full_shape, jnp.float32)
-      else:
-        def do_full(b):
-          lg, cache = full_forward(b, s, refresh_rows)
-          return lg, cache
-        def skip_full(b):
-          return jnp.zeros(full_shape, jnp.float32), b.get("cache")
-        full_logits, cache_after = jax.lax.cond(use_full.any(), do_full, skip_full, b)
-        if cached_mode:
-          nb["cache"] = cache_after
+      win_shape = (Bsz, W if smoothing else L, V)
+      can_full, can_cached = mode != "block_diffusion", cached_mode
 
-      if cached_mode:
-        win_shape = (Bsz, W if smoothing else L, V)
-        def do_cached(b):
-          return cached_forward(b, s, use_cached)
-        def skip_cached(b):
-          c0, _, _ = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W) \
-              if mode != "block_diffusion" else (s, s, s + L)
-          return (jnp.zeros(win_shape, jnp.float32), b["cache"], jnp.asarray(c0, jnp.int32),
-                  jnp.zeros((Bsz, W), bool))
-        # The cached forward reads the cache as refreshed by this iteration's full forward (a refreshing
-        # row is never cached in the same iteration, so that read only matters for other rows: unchanged).
-        cached_logits, cache_after, c0, write = jax.lax.cond(use_cached.any(), do_cached, skip_cached, nb)
-        nb["cache"] = cache_after
+      def run_forwards(do_full: bool, do_cached: bool):
+        def branch(b):
+          if do_full:
+            fl, cache = full_forward(b, s, refresh_rows)
+          else:
+            fl, cache = jnp.zeros(full_shape, jnp.float32), b.get("cache")
+          if not can_cached:
+            return fl, cache
+          # The cached forward reads the cache as refreshed by this iteration's full forward (a refreshing
+          # row is never cached in the same iteration, so that read only matters for other rows: unchanged).
+          if do_cached:
+            cl, cache, c0, write = cached_forward(dict(b, cache=cache), s, use_cached)
+          else:
+            c0, _, _ = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W) \
+                if mode != "block_diffusion" else (s, s, s + L)
+            cl, c0, write = jnp.zeros(win_shape, jnp.float32), jnp.asarray(c0, jnp.int32), jnp.zeros((Bsz, W), bool)
+          return fl, cache, cl, c0, write
+        return branch
+
+      # One conditional per iteration, not one per forward kind: on GPU each conditional's predicate is
+      # read by the host, so two of them cost two syncs per step. Branch 2*full + cached; in practice every
+      # active row takes one of the two forwards, so (neither) is never taken.
+      fulls = (False, True) if can_full else (False,)
+      cacheds = (False, True) if can_cached else (False,)
+      branches = [run_forwards(f, c) for f in fulls for c in cacheds]
+      idx = jnp.zeros((), jnp.int32)
+      if can_full:
+        idx = idx + use_full.any().astype(jnp.int32) * len(cacheds)
+      if can_cached:
+        idx = idx + use_cached.any().astype(jnp.int32)
+      outs = jax.lax.switch(idx, branches, b)
+      if can_cached:
+        full_logits, _, cached_logits, c0, write = outs
+        nb["cache"] = outs[1]
       else:
-        cached_logits, c0, write = None, None, None
+        (full_logits, _), cached_logits, c0, write = outs, None, None, None
 
       # The block's logits per row, from whichever forward the row took.
       if smoothing:
