@@ -73,7 +73,6 @@ def load_tokenizer(path: pathlib.Path):
                                      f"{type(e).__name__}: {msg}") from None
 
 
-
 def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
          mesh: jax.sharding.Mesh | None = None) -> Model:
   """Loads an HF checkpoint directory or a converted (orbax) one.

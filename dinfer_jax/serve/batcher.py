@@ -69,14 +69,15 @@ class Job:
     self.cancelled.set()
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-  """Powers of two below max_batch, then max_batch: the row counts compiled programs are built for."""
-  out = [b for b in (2 ** i for i in range(max_batch.bit_length())) if b < max_batch]
-  return out + [max_batch]
-
-
 def bucket_for(rows: int, max_batch: int) -> int:
-  return next(b for b in batch_buckets(max_batch) if b >= rows)
+  """The engine's own batch bucket for this many rows (generate.bucket_rows), capped at max_batch."""
+  from dinfer_jax.engine.generate import bucket_rows
+  return min(bucket_rows(rows), max_batch)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+  """The row counts compiled programs are built for: every bucket a batch of 1..max_batch rows runs at."""
+  return sorted({bucket_for(n, max_batch) for n in range(1, max_batch + 1)})
 
 
 @dataclasses.dataclass
