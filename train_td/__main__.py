@@ -46,6 +46,7 @@ def _parse_mix(text: str) -> tuple[tuple[str, float], ...]:
 
 
 def _add_train(sub):
+  from train_td.objective import COMPUTE_DTYPES
   from train_td.trainer import TrainConfig
   p = sub.add_parser("train", help="train (or resume) a run")
   p.add_argument("run_dir")
@@ -61,6 +62,12 @@ def _add_train(sub):
     elif f.name == "arithmetic_op_weights":
       p.add_argument(flag, dest=f.name, type=_floats, default=argparse.SUPPRESS,
                      help=f"training frequency of +,-,* (default {','.join(map(str, f.default))}), e.g. 1,1,2")
+    elif isinstance(f.default, bool):
+      p.add_argument(flag, dest=f.name, action="store_true", default=argparse.SUPPRESS,
+                     help=f"default {f.default!r}")
+    elif f.name == "compute_dtype":
+      p.add_argument(flag, dest=f.name, choices=COMPUTE_DTYPES, default=argparse.SUPPRESS,
+                     help=f"forward/backward dtype on fp32 master weights (default {f.default})")
     else:
       p.add_argument(flag, dest=f.name, type=type(f.default), default=argparse.SUPPRESS,
                      help=f"default {f.default!r}")

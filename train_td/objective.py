@@ -21,6 +21,28 @@ from dinfer_jax.config import ModelConfig
 from dinfer_jax.model.transformer import forward
 
 LossFn = Callable[[Any, dict, jax.Array], tuple[jax.Array, dict]]
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def mixed_precision(loss_fn: LossFn, compute_dtype: str | None) -> LossFn:
+  """The loss computed in `compute_dtype` on master weights of their own dtype (fp32 in training).
+
+  The weights are cast inside the differentiated function, so the forward's matmuls and activations run in
+  bf16 while the gradients arrive in the master dtype (the cast's transpose) and the optimizer updates fp32
+  weights: small updates are not rounded away. Norm statistics, router, logits and losses stay fp32 (the
+  model casts them), as the dtype policy asks.
+  """
+  if compute_dtype in (None, "float32"):
+    return loss_fn
+  if compute_dtype not in COMPUTE_DTYPES:
+    raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
+  dt = jnp.dtype(compute_dtype)
+
+  def low_precision_loss(params, batch, rng):
+    cast = lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+    return loss_fn(jax.tree_util.tree_map(cast, params), batch, rng)
+
+  return low_precision_loss
 
 
 def masked_diffusion_loss_from_masked(logits: jax.Array, targets: jax.Array, masked: jax.Array, t: jax.Array,
@@ -53,14 +75,15 @@ def sample_mask(rng: jax.Array, answer: jax.Array, eps: float = 1e-3) -> tuple[j
 
 
 def masked_diffusion_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConfig, mask_id: int,
-                          eps: float = 1e-3, moe_impl: str | None = "dense") -> tuple[jax.Array, dict]:
+                          eps: float = 1e-3, moe_impl: str | None = "dense",
+                          remat: bool = False) -> tuple[jax.Array, dict]:
   """LLaDA's masked-diffusion SFT loss on a batch (prompt never masked, answer + EOS padding masked with
   probability t, CE on masked positions weighted 1/t, normalised by the answer length, batch mean)."""
   tokens, answer = batch["tokens"], batch["answer"]
   t, masked = sample_mask(rng, answer, eps)
   noised = jnp.where(masked, mask_id, tokens)
   logits = forward(params, cfg, noised, positions=batch["positions"], mask=batch["valid"],
-                   moe_impl=moe_impl).logits
+                   moe_impl=moe_impl, remat=remat).logits
   answer_len = answer.sum(-1)
   per_row = masked_diffusion_loss_from_masked(logits, tokens, masked, t, answer_len)
   loss = per_row.mean()
@@ -78,11 +101,12 @@ def masked_diffusion_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConf
 
 
 def make_loss_fn(cfg: ModelConfig, *, mask_id: int | None = None, eps: float = 1e-3,
-                 moe_impl: str | None = "dense") -> LossFn:
-  """The masked-diffusion loss bound to a model config: loss_fn(params, batch, rng)."""
-  return functools.partial(masked_diffusion_loss, cfg=cfg,
-                           mask_id=cfg.mask_token_id if mask_id is None else mask_id, eps=eps,
-                           moe_impl=moe_impl)
+                 moe_impl: str | None = "dense", remat: bool = False, compute_dtype: str | None = None) -> LossFn:
+  """The masked-diffusion loss bound to a model config: loss_fn(params, batch, rng). remat: gradient
+  checkpointing per layer; compute_dtype: see mixed_precision."""
+  return mixed_precision(functools.partial(masked_diffusion_loss, cfg=cfg,
+                                           mask_id=cfg.mask_token_id if mask_id is None else mask_id, eps=eps,
+                                           moe_impl=moe_impl, remat=remat), compute_dtype)
 
 
 # ------------------------------------------------------------------------------ trajectory distillation
@@ -146,7 +170,8 @@ def compressed_transition_terms(logits: jax.Array, targets: jax.Array, masked: j
 
 
 def td_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConfig, mask_id: int, mdm_weight: float = 0.0,
-            cf_weight: float = 0.0, eps: float = 1e-3, moe_impl: str | None = "dense") -> tuple[jax.Array, dict]:
+            cf_weight: float = 0.0, eps: float = 1e-3, moe_impl: str | None = "dense",
+            remat: bool = False) -> tuple[jax.Array, dict]:
   """Trajectory-distillation loss: compressed-transition NLL + cf_weight * certainty-forcing entropy
   (+ mdm_weight * the masked-diffusion loss on the same rows' final answers, a second forward).
 
@@ -158,14 +183,15 @@ def td_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConfig, mask_id: i
   a, b = sample_transition(k_tr, batch["n_steps"])
   masked, delta = transition_masks(batch["reveal"], answer, a, b)
   state = jnp.where(masked, mask_id, tokens)
-  logits = forward(params, cfg, state, positions=batch["positions"], mask=batch["valid"], moe_impl=moe_impl).logits
+  logits = forward(params, cfg, state, positions=batch["positions"], mask=batch["valid"], moe_impl=moe_impl,
+                   remat=remat).logits
   terms = compressed_transition_terms(logits, tokens, masked, delta)
   loss = terms["nll"] + cf_weight * terms["entropy"]
   metrics = {"td_nll": terms["nll"], "cf_entropy": terms["entropy"], "delta_acc": terms["delta_acc"],
              "delta_tokens": terms["n_delta"], "masked_acc": terms["delta_acc"]}
   if mdm_weight:
     mdm, mdm_metrics = masked_diffusion_loss(params, batch, k_mdm, cfg=cfg, mask_id=mask_id, eps=eps,
-                                             moe_impl=moe_impl)
+                                             moe_impl=moe_impl, remat=remat)
     loss = loss + mdm_weight * mdm
     metrics["mdm_loss"] = mdm
     metrics["mdm_masked_acc"] = mdm_metrics["masked_acc"]
@@ -173,7 +199,9 @@ def td_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConfig, mask_id: i
 
 
 def make_td_loss_fn(cfg: ModelConfig, *, mdm_weight: float = 0.0, cf_weight: float = 0.0, eps: float = 1e-3,
-                    moe_impl: str | None = "dense") -> LossFn:
-  """The trajectory-distillation loss bound to a model config: loss_fn(params, batch, rng)."""
-  return functools.partial(td_loss, cfg=cfg, mask_id=cfg.mask_token_id, mdm_weight=mdm_weight,
-                           cf_weight=cf_weight, eps=eps, moe_impl=moe_impl)
+                    moe_impl: str | None = "dense", remat: bool = False, compute_dtype: str | None = None) -> LossFn:
+  """The trajectory-distillation loss bound to a model config: loss_fn(params, batch, rng). remat and
+  compute_dtype as in make_loss_fn."""
+  return mixed_precision(functools.partial(td_loss, cfg=cfg, mask_id=cfg.mask_token_id, mdm_weight=mdm_weight,
+                                           cf_weight=cf_weight, eps=eps, moe_impl=moe_impl, remat=remat),
+                         compute_dtype)

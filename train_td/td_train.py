@@ -83,6 +83,7 @@ def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, pr
   run_dir = pathlib.Path(run_dir)
   _check_td_config(run_dir, tdc)
   loss_fn = objective.make_td_loss_fn(tc.model_config(), mdm_weight=tdc.mdm_weight, cf_weight=tdc.cf_weight,
-                                      eps=tc.eps_t, moe_impl=tc.moe_impl)
+                                      eps=tc.eps_t, moe_impl=tc.moe_impl, remat=tc.remat,
+                                      compute_dtype=tc.compute_dtype)
   return trainer.train(tc, run_dir, resume=resume, loss_fn=loss_fn, get_batch=data.get_batch, progress=progress,
                        stop_at=stop_at, init_params=base.params, mesh=mesh)

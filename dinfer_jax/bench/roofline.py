@@ -127,7 +127,7 @@ class Target:
     return jax.tree_util.tree_map(one, tree)
 
   def compile(self, fn, *args, static: dict | None = None, donate=()):
-    with moe.target_backend(self.backend), _deviceless_tokamax(self.kind == "cuda"):
+    with moe.target_backend(self.backend), deviceless_tokamax(self.kind == "cuda"):
       t = time.perf_counter()
       jf = jax.jit(fn, static_argnames=tuple(static or ()), donate_argnums=donate if self.kind == "cuda" else ())
       compiled = jf.lower(*args, **(static or {})).compile()
@@ -135,7 +135,7 @@ class Target:
 
 
 @contextlib.contextmanager
-def _deviceless_tokamax(on: bool):
+def deviceless_tokamax(on: bool):
   """tokamax checks the default device (this process's CPU) before lowering its Triton kernels; with no GPU
   here, tell it the target is one. Only the bench's deviceless compiles do this."""
   if not (on and moe.has_gpu_grouped_gemm()):

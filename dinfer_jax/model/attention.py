@@ -40,7 +40,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) 
 
   Same numerics as attention_reference: fp32 scores and softmax, the value product in the activation dtype
   with fp32 accumulation; a query with every key masked gets a uniform softmax (finite mask value)."""
-  impl = "cudnn" if moe.backend() == "gpu" else None
+  # cuDNN's fused kernel takes fp16/bf16 only: fp32 models (tests of numerics, fp32 training) on a GPU use
+  # XLA's implementation instead of failing.
+  fused = moe.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+  impl = "cudnn" if fused else None
   return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl).astype(q.dtype)
 
 

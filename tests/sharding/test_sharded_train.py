@@ -43,6 +43,9 @@ LOSSES = {
     "weighted_extra_field": _weighted_loss,
     # Trajectory distillation with every term on: its own batch fields (reveal, n_steps) and two forwards.
     "td_full": lambda cfg: objective.make_td_loss_fn(cfg, mdm_weight=0.5, cf_weight=0.5, moe_impl="ragged"),
+    # ... with gradient checkpointing (the 7B option): same numbers, recomputed in the backward pass.
+    "td_remat": lambda cfg: objective.make_td_loss_fn(cfg, mdm_weight=0.5, cf_weight=0.5, moe_impl="ragged",
+                                                      remat=True),
 }
 
 
@@ -85,6 +88,7 @@ def _close(a, b, what):
 
 @pytest.mark.parametrize("mesh_name,loss_name", [("t2e4", "mdm_ragged"), ("d2t4", "weighted_extra_field"),
                                                  ("d8", "mdm_dense"), ("t2e4", "td_full"),
+                                                 ("d2t4", "td_remat"),
                                                  pytest.param("e4", "mdm_ragged", marks=pytest.mark.slow),
                                                  pytest.param("d2t4", "mdm_ragged", marks=pytest.mark.slow),
                                                  pytest.param("d8", "weighted_extra_field", marks=pytest.mark.slow)])
