@@ -161,8 +161,8 @@ def _add_distill(sub):
   p.add_argument("--base", default="default")
   p.add_argument("--out", required=True, help="export directory (e.g. dinfer_jax/assets/default-td)")
   p.add_argument("--work", required=True, help="working directory: trajectories in WORK/data/<task>, run in WORK/run")
-  p.add_argument("--tasks", default="arithmetic,program,sort")
-  p.add_argument("--n", default="arithmetic=20000,program=1600,sort=8000",
+  p.add_argument("--tasks", default="arithmetic,program,add")
+  p.add_argument("--n", default="arithmetic=20000,program=1600,add=8000",
                  help="training prompts per task (TASK=N,...)")
   p.add_argument("--batch", type=_positive_int, default=256, help="collect: prompts per engine call")
   p.add_argument("--steps", type=_positive_int, default=1500)

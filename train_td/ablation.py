@@ -1,12 +1,12 @@
 """TD loss ablation: compressed transition alone, + masked-diffusion mix, + certainty forcing.
 
-  python -m train_td.ablation --base default --data WORK/data/arithmetic,WORK/data/program,WORK/data/sort \
-      --work WORK/ablation --tasks arithmetic,program,sort --n 200 --steps 1500 --md train_td/ablation.md
+  python -m train_td.ablation --base default --data WORK/data/arithmetic,WORK/data/program,WORK/data/add \
+      --work WORK/ablation --tasks arithmetic,program,add --n 200 --steps 1500 --md train_td/ablation.md
 
 Each variant is a TD run on the same trajectories with the same schedule and seed (train_td.td_train;
 resumed if its run directory has checkpoints), exported next to it and evaluated with the base model next
 to it on the same held-out problems, all decoded with the base model's generation settings
-(generation_config.json + its prompt rule per task, e.g. sort's long gen_length).
+(generation_config.json + its prompt rule per task, e.g. the long gen_length of add).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
   ap.add_argument("--base", default="default")
   ap.add_argument("--data", required=True, help="collect directories, comma-separated")
   ap.add_argument("--work", required=True)
-  ap.add_argument("--tasks", default="arithmetic,program,sort")
+  ap.add_argument("--tasks", default="arithmetic,program,add")
   ap.add_argument("--n", type=int, default=200, help="held-out problems per task")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--eval-batch", type=int, default=100)

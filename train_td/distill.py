@@ -1,7 +1,7 @@
 """The TD variant of a base model in one command: collect golden trajectories per task, train --td, export.
 
   python -m train_td distill --base default --out dinfer_jax/assets/default-td --work /work/runs/td \
-      [--tasks arithmetic,program,sort] [--n arithmetic=20000,...] [--steps 1500 ...]
+      [--tasks arithmetic,program,add] [--n arithmetic=20000,...] [--steps 1500 ...]
 
 Every stage resumes: collect skips finished shards (under jax.distributed each process collects its share;
 the training and export stages are single-process), the run resumes from its last checkpoint, export

@@ -28,8 +28,10 @@ DEFAULT_GENERATION = {"gen_length": 8, "block_length": 4, "decoder": "threshold"
                       "cache": "dual", "prompt_bucket": 16}
 # Prompt rules (dinfer_jax.cli.PROMPT_RULES) of the long-answer tasks, written for a run that trained them:
 # sort answers are up to 47 characters + <|eos|> (the task's answer region, data.DEFAULT_TASK_ANSWER_LEN),
-# six blocks of 8, so a user's long list is never cut off at the short default.
-TASK_PROMPT_RULES = {"sort": {"prefix": "<|user|>sort:", "gen_length": 48, "block_length": 8}}
+# six blocks of 8, long sums 25 + <|eos|> in four blocks of 8, so a user's long list or sum is never cut
+# off at the short default.
+TASK_PROMPT_RULES = {"sort": {"prefix": "<|user|>sort:", "gen_length": 48, "block_length": 8},
+                     "add": {"prefix": "<|user|>add:", "gen_length": 32, "block_length": 8}}
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:

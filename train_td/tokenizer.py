@@ -53,14 +53,19 @@ PROGRAM_MARKER = "f("
 # task writes them: "sort 4, 0 9" -> "sort:4,0,9" (SortTask.digits wide, zero padded).
 SORT_WORD = "sort"
 SORT_DIGITS = 1
+# Sums with an operand wider than OPERAND_WIDTH go to the long-addition task: "add:" and both operands
+# right-aligned to ADD_WIDTH columns (LongAddTask.max_digits); "add:" prompts are re-aligned the same way.
+ADD_PREFIX = "add:"
+ADD_WIDTH = 24
 
 
 def format_prompt(question: str) -> str:
   """Maps a natural question onto the internal prompt format.
 
   "What is 348 + 279?", "348 plus 279 =", "what's 12 x 13" and "12 times 13." become "348+279" and
-  " 12* 13" (operands of at most OPERAND_WIDTH digits right-aligned to it); prompts already in the
-  internal format are returned unchanged (the mapping is idempotent).
+  " 12* 13" (operands of at most OPERAND_WIDTH digits right-aligned to it); a sum with a wider operand
+  (up to ADD_WIDTH digits) becomes a long-addition prompt "add:" + both operands right-aligned to
+  ADD_WIDTH; prompts already in the internal format are returned unchanged (the mapping is idempotent).
   Program-synthesis prompts (containing "f(") are only stripped.
 
   Args:
@@ -82,10 +87,14 @@ def format_prompt(question: str) -> str:
   for w in _DROPPED:
     q = q.replace(w, "")
   q = q.rstrip(".")
+  if q.startswith(ADD_PREFIX):
+    q = q[len(ADD_PREFIX):]
   for op in _OPERATORS:
     parts = q.split(op)
     if len(parts) == 2 and all(p.isdigit() and len(p) <= OPERAND_WIDTH for p in parts):
       q = parts[0].rjust(OPERAND_WIDTH) + op + parts[1].rjust(OPERAND_WIDTH)
+    elif op == "+" and len(parts) == 2 and all(p.isdigit() and len(p) <= ADD_WIDTH for p in parts):
+      q = ADD_PREFIX + parts[0].rjust(ADD_WIDTH) + op + parts[1].rjust(ADD_WIDTH)
   return q
 
 
@@ -130,6 +139,10 @@ def _chat_template() -> str:
       "{%- if parts | length == 2 and parts[0].isdigit() and parts[1].isdigit()"
       f" and parts[0] | length <= {OPERAND_WIDTH} and parts[1] | length <= {OPERAND_WIDTH} -%}}"
       f"{{%- set ns.q = '%{OPERAND_WIDTH}s' | format(parts[0]) + op + '%{OPERAND_WIDTH}s' | format(parts[1]) -%}}"
+      "{%- elif op == '+' and parts | length == 2 and parts[0].isdigit() and parts[1].isdigit()"
+      f" and parts[0] | length <= {ADD_WIDTH} and parts[1] | length <= {ADD_WIDTH} -%}}"
+      f"{{%- set ns.q = {_jinja_str(ADD_PREFIX)} + '%{ADD_WIDTH}s' | format(parts[0]) + op"
+      f" + '%{ADD_WIDTH}s' | format(parts[1]) -%}}"
       "{%- endif -%}"
       "{%- endfor -%}")
   # Same steps as _format_sort; `select` drops the empty strings that runs of separators leave.
@@ -154,7 +167,8 @@ def _chat_template() -> str:
       "{%- set ns = namespace(q=q, ok=false) -%}"
       f"{{%- if (q | lower).startswith({_jinja_str(SORT_WORD)}) -%}}" + sort +
       f"{{%- elif {_jinja_str(PROGRAM_MARKER)} not in q -%}}"
-      "{%- set q = q | lower -%}" + normalise + "{%- set q = q.rstrip('.') -%}" + align +
+      "{%- set q = q | lower -%}" + normalise + "{%- set q = q.rstrip('.') -%}" +
+      f"{{%- if q.startswith({_jinja_str(ADD_PREFIX)}) -%}}{{%- set q = q[{len(ADD_PREFIX)}:] -%}}{{%- endif -%}}" + align +
       "{%- endif -%}"
       f"{{{{- {_jinja_str(USER_TOKEN)} + ns.q -}}}}"
       "{%- elif message['role'] == 'assistant' -%}"

@@ -319,6 +319,14 @@ def test_prompt_rules_pick_the_long_settings_for_long_tasks(tmp_path):
                                tok_lib.format_chat("sort 1 2")).gen_length == 16
   # Every sort answer fits the rule's region with its <|eos|>.
   assert tasks_lib.get_task("sort").answer_chars + 1 <= long.gen_length
+  # The long-addition rule (the default model's long task): a user's long sum gets its region.
+  gen = export_lib.run_generation_config(trainer.TrainConfig(mix=(("arithmetic", 0.6), ("add", 0.4))))
+  assert gen["prompt_rules"] == [export_lib.TASK_PROMPT_RULES["add"]]
+  (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+  add = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 12345678901 + 98765432109?"))
+  assert (add.gen_length, add.block_length) == (data_lib.DEFAULT_TASK_ANSWER_LEN["add"], 8)
+  assert tasks_lib.get_task("add").answer_chars + 1 <= add.gen_length
+  assert cli.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 3 + 4?")).gen_length == 8
 
 
 def test_eval_compares_models_at_the_first_models_settings(tmp_path, capsys):

@@ -13,10 +13,11 @@ from train_td.tasks import base
 ARITH = tasks.get_task("arithmetic")
 PROG = tasks.get_task("program")
 SORT = tasks.get_task("sort")
+ADD = tasks.get_task("add")
 
 
 def test_registry(monkeypatch):
-  assert {"arithmetic", "program", "sort"} <= set(tasks.task_names())
+  assert {"arithmetic", "program", "sort", "add"} <= set(tasks.task_names())
   with pytest.raises(ValueError, match="name"):
     tasks.get_task("no-such-task")
   monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # keep the global registry clean
@@ -181,8 +182,9 @@ def test_program_verifier():
     assert not PROG.check(p, wrong), wrong
 
 
-@pytest.mark.parametrize("task,n_train,n_test", [(ARITH, 20000, 300), (PROG, 6000, 300), (SORT, 5000, 300)],
-                         ids=["arithmetic", "program", "sort"])
+@pytest.mark.parametrize("task,n_train,n_test", [(ARITH, 20000, 300), (PROG, 6000, 300), (SORT, 5000, 300),
+                                                 (ADD, 5000, 300)],
+                         ids=["arithmetic", "program", "sort", "add"])
 def test_train_and_test_are_disjoint(task, n_train, n_test):
   test = tasks.test_problems(task, n_test, seed=0)
   assert len({p.prompt for p in test}) == n_test
@@ -252,3 +254,27 @@ def test_sort_split_holds_out_every_order_of_a_list():
     shuffled = tasks.Problem(task="sort", prompt="sort:" + ",".join(rng.permutation(values)), answer=p.answer,
                              split_keys=(f"sorted:{p.answer}",))
     assert tasks.problem_split(SORT, shuffled) == "test"
+
+
+def test_long_addition_problems_and_verifier():
+  for p in tasks.train_problems(ADD, 300, seed=0):
+    assert p.prompt.startswith("add:") and len(p.prompt) == ADD.prompt_chars
+    a, b = (int(x) for x in p.prompt[len("add:"):].split("+"))
+    assert ADD.min_digits <= len(str(a)) <= ADD.max_digits and ADD.min_digits <= len(str(b)) <= ADD.max_digits
+    assert len(p.answer) == ADD.answer_chars and int(p.answer) == a + b  # right-aligned in its columns
+    assert p.split_keys == (f"pair:{min(a, b)}+{max(a, b)}",)
+    assert ADD.check(p, p.answer) and ADD.check(p, str(a + b)) and ADD.check(p, f" {a + b}\n")
+  p = tasks.Problem(task="add", prompt="add:" + "99".rjust(24) + "+" + "1".rjust(24), answer="100".rjust(25),
+                    split_keys=("k",))
+  for wrong in ["101", "10 0", "0100x", "", "-100", "1" * 200, "\u0661\u0660\u0660", None]:
+    assert not ADD.check(p, wrong), wrong
+  assert ADD.check(p, "0100")  # leading zeros are the same number
+  with pytest.raises(ValueError, match="min_digits"):
+    type(ADD)(min_digits=30)
+
+
+def test_long_addition_split_holds_out_both_orders():
+  for p in tasks.test_problems(ADD, 100, seed=0):
+    a, b = p.prompt[len("add:"):].split("+")
+    swapped = tasks.Problem(task="add", prompt=ADD.write(int(b), int(a)), answer=p.answer, split_keys=p.split_keys)
+    assert tasks.problem_split(ADD, swapped) == "test"

@@ -17,7 +17,7 @@ def tok():
 @pytest.fixture(scope="module")
 def task_texts():
   texts = []
-  for name in ("arithmetic", "program", "sort"):
+  for name in ("arithmetic", "program", "sort", "add"):
     for p in tasks.train_problems(name, 1000, seed=0) + tasks.test_problems(name, 100):
       texts += [p.prompt, p.answer, T.format_chat(p.prompt, p.answer)]
   return texts
@@ -94,7 +94,13 @@ QUESTIONS = [
     ("  How much is 100 - 1 ?  ", "100-  1"),
     ("348+279", "348+279"),
     (" 40+  2", " 40+  2"),
-    ("1234+5", "1234+5"),  # too wide for the columns: left as typed
+    ("1234+5", "add:" + "1234".rjust(24) + "+" + "5".rjust(24)),  # wider than 3 digits: long addition
+    ("What is 123456789012345678 + 987654321098765432?",
+     "add:" + "123456789012345678".rjust(24) + "+" + "987654321098765432".rjust(24)),
+    ("add:12345+678", "add:" + "12345".rjust(24) + "+" + "678".rjust(24)),
+    ("add:1+2", "  1+  2"),  # small enough for the arithmetic columns
+    ("1234-5", "1234-5"),  # only sums have a long form: left as typed
+    ("1" * 25 + "+1", "1" * 25 + "+1"),  # wider than the long-addition columns: left as typed
     ("1+2+3", "1+2+3"),
     ("-4+5", "-4+5"),
     ("f(0..5)=2,5,8,11,14,17", "f(0..5)=2,5,8,11,14,17"),
@@ -118,10 +124,11 @@ def test_format_prompt(question, prompt):
 
 def test_sort_columns_match_the_task():
   assert T.SORT_DIGITS == tasks.get_task("sort").digits
+  assert T.ADD_WIDTH == tasks.get_task("add").max_digits
 
 
 def test_format_prompt_is_identity_on_task_prompts():
-  for name in ("arithmetic", "program", "sort"):
+  for name in ("arithmetic", "program", "sort", "add"):
     for p in tasks.train_problems(name, 500, seed=1):
       assert T.format_prompt(p.prompt) == p.prompt
 
@@ -164,9 +171,9 @@ def test_chat_template_matches_format_chat(tmp_path):
   # Both implementations agree on arbitrary mixtures of the pieces they rewrite.
   pieces = list("0123456789+-*x =?!.\n\t") + ["what is ", "What's ", "plus", "minus", "times", " X ",
                                               "f(", "\u00d7", "multiplied by", "\u00e9", "How much is",
-                                              ",", ":", "123"]
+                                              ",", ":", "123", "add:", "4567890123"]
   rng = random.Random(0)
   for k in range(600):
     q = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
-    q = rng.choice(["sort ", "Sort:", "sort"]) + q if k % 2 else q
+    q = rng.choice(["sort ", "Sort:", "sort", "add:", "ADD:"]) + q if k % 2 else q
     assert render([{"role": "user", "content": q}], True) == T.format_chat(q), repr(q)
