@@ -38,8 +38,10 @@ OPTIONS = {"plain": dict(remat=False, compute_dtype="float32"),
 
 
 def compile_td_step(cfg: ModelConfig, mesh, batch: int, seq: int, *, remat: bool, compute_dtype: str,
-                    moe_impl: str = "ragged", mdm_weight: float = 0.5, cf_weight: float = 0.5):
-  """Lowers and compiles one TD train step for the described devices; returns the compiled executable."""
+                    moe_impl: str = "ragged", mdm_weight: float = 0.5, cf_weight: float = 0.5,
+                    target: str = "gpu"):
+  """Lowers and compiles one TD train step for the mesh's devices (described H200s: target "gpu"; or this
+  machine's CPU devices: target "cpu"); returns the compiled executable."""
   optimizer = trainer.make_optimizer(trainer.TrainConfig())
   loss_fn = objective.make_td_loss_fn(cfg, mdm_weight=mdm_weight, cf_weight=cf_weight, moe_impl=moe_impl,
                                       remat=remat, compute_dtype=compute_dtype)
@@ -62,7 +64,7 @@ def compile_td_step(cfg: ModelConfig, mesh, batch: int, seq: int, *, remat: bool
   from dinfer_jax.model import moe
   # Kernel choices as on the GPU: the routed experts through tokamax's Triton grouped GEMM when installed
   # (XLA's own ragged_dot lowering on GPU computes every expert densely).
-  with sharding.use_mesh(mesh), moe.target_backend("gpu"), deviceless_tokamax(True):
+  with sharding.use_mesh(mesh), moe.target_backend(target), deviceless_tokamax(target == "gpu"):
     return jitted.lower(params, opt_state, batch_arrays, rng).compile()
 
 

@@ -311,7 +311,7 @@ def test_prompt_rules_pick_the_long_settings_for_long_tasks(tmp_path):
   args = argparse.Namespace()
   short = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 3 + 4?"))
   long = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("sort 4, 7, 9"))
-  assert (short.gen_length, short.block_length) == (8, 4)
+  assert (short.gen_length, short.block_length) == (8, 8)
   assert (long.gen_length, long.block_length) == (data_lib.DEFAULT_TASK_ANSWER_LEN["sort"], 8)
   assert long.cache == "dual" and long.threshold == 0.9  # the rest from the file's defaults
   # Flags still win over the rule.
@@ -350,5 +350,5 @@ def test_eval_compares_models_at_the_first_models_settings(tmp_path, capsys):
   for r in res:  # both models decode with the first one's file and its rule for sort
     g = r["generation_config"]
     assert g["threshold"] == 0.7 and (g["gen_length"], g["block_length"]) == (
-        (48, 8) if r["task"] == "sort" else (8, 4))
+        (48, 8) if r["task"] == "sort" else (8, 8))
   assert any(line.startswith("| sort | ") for line in out)
