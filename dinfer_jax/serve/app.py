@@ -15,7 +15,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,6 +71,9 @@ class ServerConfig:
   model_name: str
   gcfg: GenerationConfig  # the server's defaults (flags > the model's generation_config.json > dataclass)
   timeout_s: float = 120.0
+  # The defaults for one prompt (token ids as the model sees them): the model's prompt rule for it applied
+  # (e.g. a long sum gets its 32 positions, not the short default), flags still winning. None: gcfg.
+  config_for: Callable[[Sequence[int]], GenerationConfig] | None = None
 
 
 def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
@@ -114,11 +117,12 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
     return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
                                          "owned_by": "dinfer-jax"}]}
 
-  def request_config(req: _Knobs) -> GenerationConfig:
+  def request_config(req: _Knobs, prompt: Sequence[int]) -> GenerationConfig:
     if req.model != cfg.model_name:
       raise APIError(404, f"model {req.model!r} does not exist; this server serves {cfg.model_name!r}",
                      param="model", code="model_not_found")
-    g = with_token_cap(cfg.gcfg, req.max_completion_tokens or req.max_tokens)
+    base = cfg.config_for(prompt) if cfg.config_for is not None else cfg.gcfg
+    g = with_token_cap(base, req.max_completion_tokens or req.max_tokens)
     if req.temperature is not None:
       g = g.replace(temperature=float(req.temperature))
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -172,10 +176,10 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
       raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
     return job, fut
 
-  def submit_all(prompts, g, req, events=None):
+  def submit_all(prompts, gs, req, events=None):
     jobs = []
     try:
-      for i, p in enumerate(prompts):
+      for i, (p, g) in enumerate(zip(prompts, gs)):
         jobs.append(submit(p, g, req, events, i))
     except APIError:
       for j, _ in jobs:
@@ -218,14 +222,14 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
 
   async def serve(request: Request, req: _Knobs, prompts: list[list[int]], chat: bool, param: str):
     t0 = time.perf_counter()
-    g = request_config(req)
-    for p in prompts:  # every prompt is checked before any is queued
+    gs = [request_config(req, p) for p in prompts]  # per prompt: prompts may match different rules
+    for p, g in zip(prompts, gs):  # every prompt is checked before any is queued
       check(p, g, req, param)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if req.stream:
-      return stream(request, req, g, prompts, chat, rid, created, t0)
-    jobs = submit_all(prompts, g, req)
+      return stream(request, req, gs, prompts, chat, rid, created, t0)
+    jobs = submit_all(prompts, gs, req)
     results = await asyncio.gather(*(wait(request, j, f) for j, f in jobs))
     outs = []
     for p, choices in zip(prompts, results):
@@ -244,12 +248,12 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
                          "created": created, "model": cfg.model_name, "choices": ch,
                          "usage": usage(ptoks, outs), "dinfer": stats})
 
-  def stream(request: Request, req: _Knobs, g: GenerationConfig, prompts, chat: bool, rid: str, created: int,
+  def stream(request: Request, req: _Knobs, gs: list[GenerationConfig], prompts, chat: bool, rid: str, created: int,
              t0: float) -> StreamingResponse:
     """Server-sent events as blocks are committed inside the running engine program: each event carries
     the answer's newly settled text (see answer.settled_prefix); the last one per choice its finish_reason."""
     events: asyncio.Queue = asyncio.Queue()
-    jobs = submit_all(prompts, g, req, events)  # a full queue is still a plain 429
+    jobs = submit_all(prompts, gs, req, events)  # a full queue is still a plain 429
     obj = "chat.completion.chunk" if chat else "text_completion"
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     cap = req.max_completion_tokens or req.max_tokens

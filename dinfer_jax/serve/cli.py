@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -67,7 +68,19 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   n = batcher.warmup(gcfg, warmup_prompt_lengths(model.config, gcfg, args.warmup_max_prompt_len),
                      token_id=next(i for i in range(model.config.vocab_size) if i != mask))
   log(f"dinfer-jax serve: warmed {n} compiled programs in {time.perf_counter() - t:.1f}s")
-  scfg = ServerConfig(model_name=model_name(model, args.served_model_name), gcfg=gcfg, timeout_s=args.timeout_s)
+  config_for = None
+  if model.tokenizer is not None:
+    tok = model.tokenizer
+
+    @functools.lru_cache(maxsize=4096)
+    def _for_text(text: str):
+      return cli.generation_config(args, model.path, text)
+
+    def config_for(prompt):
+      # rules match on the prompt as the model sees it; only the prefix matters, so a bounded decode
+      return _for_text(tok.decode(list(prompt[:64]), skip_special_tokens=False))
+  scfg = ServerConfig(model_name=model_name(model, args.served_model_name), gcfg=gcfg, timeout_s=args.timeout_s,
+                      config_for=config_for)
   return create_app(model, batcher, metrics, scfg), batcher, scfg
 
 

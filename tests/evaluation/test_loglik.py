@@ -82,4 +82,4 @@ def test_bad_arguments(model):
   with pytest.raises(ValueError, match="empty"):
     mc_loglikelihood(model, CONTEXT, [])
   with pytest.raises(ValueError, match="max_position"):
-    mc_loglikelihood(model, [3] * 70, TARGET)
+    mc_loglikelihood(model, [3] * (model.config.max_position + 1), TARGET)

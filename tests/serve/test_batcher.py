@@ -54,6 +54,8 @@ def test_batched_rows_equal_single_runs(default_model, default_gcfg):
 
 
 def test_streaming_jobs_get_tokens_block_by_block(default_model, default_gcfg):
+  import dataclasses
+  default_gcfg = dataclasses.replace(default_gcfg, block_length=4)  # two blocks, so two streamed updates
   ids = cli.encode_prompts(default_model, [QUESTIONS[2], QUESTIONS[0]])
   got, done = [], threading.Event()
   b = DynamicBatcher(default_model, max_batch=2, window_s=0.2)
@@ -111,7 +113,7 @@ def test_seeded_sampling_runs_alone_and_reproduces(default_model, default_gcfg):
 def test_validate_uses_the_engine_checks(default_model, default_gcfg):
   b = DynamicBatcher(default_model, max_batch=2)
   with pytest.raises(ValueError, match="max_position"):
-    b.validate([5] * 80, default_gcfg)
+    b.validate([5] * (default_model.config.max_position + 1), default_gcfg)
   with pytest.raises(ValueError, match="n=3"):
     b.validate([5, 6], default_gcfg.replace(temperature=0.5), n=3)
   b.validate([5, 6], default_gcfg, n=3)  # greedy choices share one row
