@@ -87,3 +87,11 @@ def test_curve_writes_table_and_plot(tmp_path):
     cells = [c.strip() for c in l.strip("|").split("|")]
     assert 0.0 <= float(cells[5]) <= 1.0 and float(cells[6]) > 0  # after task, model, decoder, smoothing, threshold
   assert png.stat().st_size > 1000
+
+
+def test_shipped_td_variant_loads_and_keeps_the_base_accuracy(model):
+  # dinfer_jax/assets/default-td (train_td/README.md): the base's settings, within 2 points of its accuracy
+  td = dinfer_jax.load("default-td")
+  assert td.config == model.config and td.path != model.path
+  res = evaluate.evaluate(td, "add", 100, _gcfg("add"), seed=0, batch=100, warmup=False)
+  assert res["accuracy"] >= ADD_ACC_100 - 0.04, res["accuracy"]
