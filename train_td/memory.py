@@ -77,16 +77,6 @@ def memory(compiled) -> dict:
           "peak_gib": peak / 2**30, "fits_h200": peak / 2**30 <= HBM_GIB}
 
 
-def parse_layout(text: str) -> dict[str, int]:
-  out = {}
-  for item in text.split(","):
-    name, _, v = item.partition("=")
-    if name not in sharding.MESH_AXES or not v.isdigit() or int(v) < 1:
-      raise ValueError(f"--layouts: expected AXIS=N items over {sharding.MESH_AXES}, got {item!r}")
-    out[name] = int(v)
-  return out
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m train_td.memory", description=__doc__.split("\n\n")[0])
   ap.add_argument("--layouts", nargs="+", default=["data=1", "tensor=8", "tensor=2,expert=4"],
@@ -110,7 +100,7 @@ def main(argv=None) -> int:
   print("| devices | layout | option | arguments GiB | temporaries GiB | outputs GiB | peak GiB/device | fits 141 GiB |")
   print("|---|---|---|---|---|---|---|---|")
   for text in args.layouts:
-    layout = parse_layout(text)
+    layout = sharding.parse_mesh(text)
     mesh = topology_mesh(layout)
     for o in opts:
       t0 = time.time()

@@ -31,8 +31,3 @@ def test_memory_follows_the_options_and_the_mesh():
   # weights and moments split over tensor x expert: each device holds a fraction of the state
   assert split["arg_gib"] < 0.6 * plain["arg_gib"]
 
-
-def test_parse_layout():
-  assert memory.parse_layout("tensor=2,expert=4") == {"tensor": 2, "expert": 4}
-  with pytest.raises(ValueError, match="layouts"):
-    memory.parse_layout("model=8")
