@@ -99,8 +99,11 @@ def main(argv=None) -> int:
   rows = []
   print("| devices | layout | option | arguments GiB | temporaries GiB | outputs GiB | peak GiB/device | fits 141 GiB |")
   print("|---|---|---|---|---|---|---|---|")
-  for text in args.layouts:
-    layout = sharding.parse_mesh(text)
+  try:
+    layouts = [(text, sharding.parse_mesh(text)) for text in args.layouts]
+  except ValueError as e:
+    ap.error(str(e).replace("--mesh", "--layouts"))
+  for text, layout in layouts:
     mesh = topology_mesh(layout)
     for o in opts:
       t0 = time.time()
