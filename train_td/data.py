@@ -4,7 +4,7 @@ Batch for step s is a pure function of (seed, s): the task of the batch is drawn
 generator seeded by (seed, s), and its problems are the first `batch_size` of
 `iter_problems(task, "train", seed=derived)`. So resuming at step s needs no replay. Each batch holds one
 task, so a batch's width is that task's bucket (arithmetic prompts are 9 tokens, program prompts at most 33,
-sort prompts at most 54, long additions 55; sort answers get a region of 48, long additions 32, the others
+sort prompts at most 54, long additions 55, splits 11; sort answers get a region of 48, long additions 32, the others
 answer_len):
 
   row:  [ pad ... | <|user|> prompt <|assistant|> | answer <|eos|> <|eos|> ... ]
@@ -26,7 +26,7 @@ DEFAULT_MIX = (("arithmetic", 0.65), ("program", 0.35))
 # this design got every held-out sum and difference right and ~2/3 of the products, with uniform ops.
 # Held-out sets are always drawn uniformly from the registered task.
 DEFAULT_ARITHMETIC_OP_WEIGHTS = (1.0, 1.0, 2.0)
-DEFAULT_PROMPT_WIDTH = {"arithmetic": 10, "program": 34, "sort": 54, "add": 55}
+DEFAULT_PROMPT_WIDTH = {"arithmetic": 10, "program": 34, "sort": 54, "add": 55, "split": 12}
 # Answer regions of the long-answer tasks (the others use DataConfig.answer_len): a sort answer is at most
 # 47 characters (24 digits and their commas) plus <|eos|>, i.e. six blocks of 8 at generation time.
 # A long-addition answer is 25 characters (the sum right-aligned) plus <|eos|>: four blocks of 8.

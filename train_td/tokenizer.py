@@ -57,6 +57,10 @@ SORT_DIGITS = 1
 # right-aligned to ADD_WIDTH columns (LongAddTask.max_digits); "add:" prompts are re-aligned the same way.
 ADD_PREFIX = "add:"
 ADD_WIDTH = 24
+# "split 73" / "Split: 73." asks for two numbers adding up to 73: "split:" + the number right-aligned to
+# SPLIT_DIGITS columns (SplitTask.digits), as the task writes it; other text after the word is left as it is.
+SPLIT_WORD = "split"
+SPLIT_DIGITS = 3
 
 
 def format_prompt(question: str) -> str:
@@ -79,6 +83,8 @@ def format_prompt(question: str) -> str:
     return q
   if q.lower().startswith(SORT_WORD):
     return _format_sort(q)
+  if q.lower().startswith(SPLIT_WORD):
+    return _format_split(q)
   q = q.lower()
   for w in _WHITESPACE + _QUESTION_WORDS:
     q = q.replace(w, "")
@@ -106,6 +112,16 @@ def _format_sort(q: str) -> str:
   parts = [p for p in body.split(",") if p]
   if parts and all(p.isdigit() and len(p) <= SORT_DIGITS for p in parts):
     return SORT_WORD + ":" + ",".join(p.zfill(SORT_DIGITS) for p in parts)
+  return q
+
+
+def _format_split(q: str) -> str:
+  """"Split: 73." -> "split: 73"; text that is not one number of at most SPLIT_DIGITS digits is left as it is."""
+  body = q[len(SPLIT_WORD):].lstrip(":").rstrip(".")
+  for w in _WHITESPACE:
+    body = body.replace(w, "")
+  if body.isdigit() and len(body) <= SPLIT_DIGITS:
+    return SPLIT_WORD + ":" + body.rjust(SPLIT_DIGITS)
   return q
 
 
@@ -160,12 +176,20 @@ def _chat_template() -> str:
       f"{{%- set ns.q = ns.q + ('' if loop.first else ',') + p.zfill({SORT_DIGITS}) -%}}"
       "{%- endfor -%}"
       "{%- endif -%}")
+  # Same steps as _format_split.
+  split = (
+      f"{{%- set body = q[{len(SPLIT_WORD)}:].lstrip(':').rstrip('.') -%}}"
+      + "".join(f"{{%- set body = body.replace({_jinja_str(w)}, '') -%}}" for w in _WHITESPACE) +
+      f"{{%- if body.isdigit() and body | length <= {SPLIT_DIGITS} -%}}"
+      f"{{%- set ns.q = {_jinja_str(SPLIT_WORD + ':')} + '%{SPLIT_DIGITS}s' | format(body) -%}}"
+      "{%- endif -%}")
   return (
       "{%- for message in messages -%}"
       "{%- if message['role'] == 'user' -%}"
       "{%- set q = message['content'] | trim -%}"
       "{%- set ns = namespace(q=q, ok=false) -%}"
       f"{{%- if (q | lower).startswith({_jinja_str(SORT_WORD)}) -%}}" + sort +
+      f"{{%- elif (q | lower).startswith({_jinja_str(SPLIT_WORD)}) -%}}" + split +
       f"{{%- elif {_jinja_str(PROGRAM_MARKER)} not in q -%}}"
       "{%- set q = q | lower -%}" + normalise + "{%- set q = q.rstrip('.') -%}" +
       f"{{%- if q.startswith({_jinja_str(ADD_PREFIX)}) -%}}{{%- set q = q[{len(ADD_PREFIX)}:] -%}}{{%- endif -%}}" + align +

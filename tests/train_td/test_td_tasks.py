@@ -14,10 +14,11 @@ ARITH = tasks.get_task("arithmetic")
 PROG = tasks.get_task("program")
 SORT = tasks.get_task("sort")
 ADD = tasks.get_task("add")
+SPLIT = tasks.get_task("split")
 
 
 def test_registry(monkeypatch):
-  assert {"arithmetic", "program", "sort", "add"} <= set(tasks.task_names())
+  assert {"arithmetic", "program", "sort", "add", "split"} <= set(tasks.task_names())
   with pytest.raises(ValueError, match="name"):
     tasks.get_task("no-such-task")
   monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # keep the global registry clean
@@ -65,7 +66,7 @@ def test_problem_validated():
       tasks.ArithmeticTask(op_weights=bad)
 
 
-@pytest.mark.parametrize("task", [ARITH, PROG, SORT], ids=lambda t: t.name)
+@pytest.mark.parametrize("task", [ARITH, PROG, SORT, SPLIT], ids=lambda t: t.name)
 def test_deterministic_for_a_seed(task):
   assert tasks.train_problems(task, 200, seed=3) == tasks.train_problems(task, 200, seed=3)
   assert tasks.train_problems(task, 200, seed=3) != tasks.train_problems(task, 200, seed=4)
@@ -183,8 +184,8 @@ def test_program_verifier():
 
 
 @pytest.mark.parametrize("task,n_train,n_test", [(ARITH, 20000, 300), (PROG, 6000, 300), (SORT, 5000, 300),
-                                                 (ADD, 5000, 300)],
-                         ids=["arithmetic", "program", "sort", "add"])
+                                                 (ADD, 5000, 300), (SPLIT, 5000, 150)],
+                         ids=["arithmetic", "program", "sort", "add", "split"])
 def test_train_and_test_are_disjoint(task, n_train, n_test):
   test = tasks.test_problems(task, n_test, seed=0)
   assert len({p.prompt for p in test}) == n_test
@@ -278,3 +279,23 @@ def test_long_addition_split_holds_out_both_orders():
     a, b = p.prompt[len("add:"):].split("+")
     swapped = tasks.Problem(task="add", prompt=ADD.write(int(b), int(a)), answer=p.answer, split_keys=p.split_keys)
     assert tasks.problem_split(ADD, swapped) == "test"
+
+
+def test_split_problems_and_verifier():
+  answers = {}
+  for p in tasks.train_problems(SPLIT, 3000, seed=0):
+    n = int(p.prompt[len("split:"):])
+    assert p.prompt == f"split:{n:>3}" and 0 <= n <= 999 and p.split_keys == (f"n:{n}",)
+    assert len(p.answer) == SPLIT.answer_chars and p.answer[3] == "+"  # both addends in 3 columns
+    a, b = (int(x) for x in p.answer.split("+"))
+    assert a + b == n and a >= 0 and b >= 0 and SPLIT.check(p, p.answer)
+    answers.setdefault(n, set()).add(a)
+  # Many right answers per prompt: the first addend is spread over 0..N, not a function of N.
+  assert max(len(v) for v in answers.values()) >= 5
+  p = tasks.Problem(task="split", prompt="split: 73", answer=" 70+  3", split_keys=("n:73",))
+  for right in ["70+3", " 0+73", "73+0", "36 + 37", "073+000\n"]:
+    assert SPLIT.check(p, right), right
+  for wrong in ["70+4", "73", "70-3", "+73", "-1+74", "7 0+3", "", "1" * 100, "\u0667\u0660+3", None, "70+3+0"]:
+    assert not SPLIT.check(p, wrong), wrong
+  with pytest.raises(ValueError, match="digits"):
+    tasks.SplitTask(digits=0)

@@ -17,7 +17,7 @@ def tok():
 @pytest.fixture(scope="module")
 def task_texts():
   texts = []
-  for name in ("arithmetic", "program", "sort", "add"):
+  for name in ("arithmetic", "program", "sort", "add", "split"):
     for p in tasks.train_problems(name, 1000, seed=0) + tasks.test_problems(name, 100):
       texts += [p.prompt, p.answer, T.format_chat(p.prompt, p.answer)]
   return texts
@@ -112,6 +112,12 @@ QUESTIONS = [
     ("sort 10, 2", "sort 10, 2"),  # too wide for the columns: left as typed
     ("sort the numbers 3 1", "sort the numbers 3 1"),
     ("sort", "sort"),
+    ("split 73", "split: 73"),
+    ("Split: 573.", "split:573"),
+    ("split:  7", "split:  7"),
+    ("SPLIT\t4 2", "split: 42"),
+    ("split 1000", "split 1000"),  # wider than the columns: left as typed
+    ("split 7 in two", "split 7 in two"),
 ]
 
 
@@ -125,10 +131,11 @@ def test_format_prompt(question, prompt):
 def test_sort_columns_match_the_task():
   assert T.SORT_DIGITS == tasks.get_task("sort").digits
   assert T.ADD_WIDTH == tasks.get_task("add").max_digits
+  assert T.SPLIT_DIGITS == tasks.get_task("split").digits
 
 
 def test_format_prompt_is_identity_on_task_prompts():
-  for name in ("arithmetic", "program", "sort", "add"):
+  for name in ("arithmetic", "program", "sort", "add", "split"):
     for p in tasks.train_problems(name, 500, seed=1):
       assert T.format_prompt(p.prompt) == p.prompt
 
@@ -175,5 +182,5 @@ def test_chat_template_matches_format_chat(tmp_path):
   rng = random.Random(0)
   for k in range(600):
     q = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
-    q = rng.choice(["sort ", "Sort:", "sort", "add:", "ADD:"]) + q if k % 2 else q
+    q = rng.choice(["sort ", "Sort:", "sort", "add:", "ADD:", "split ", "Split:"]) + q if k % 2 else q
     assert render([{"role": "user", "content": q}], True) == T.format_chat(q), repr(q)
