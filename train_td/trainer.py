@@ -76,7 +76,8 @@ class TrainConfig:
   arithmetic_op_weights: tuple[float, ...] = data_lib.DEFAULT_ARITHMETIC_OP_WEIGHTS  # "+", "-", "*"
   answer_len: int = 8
   seed: int = 0
-  # start from another run's latest checkpoint (params only; fresh optimizer and schedule)
+  # start from another run's latest checkpoint, or from a model ("default" or an HF directory) of this
+  # architecture: params only, fresh optimizer and schedule (fine-tuning)
   init_from: str = ""
   # bookkeeping
   log_every: int = 10
@@ -221,6 +222,24 @@ def _manager(run_dir: pathlib.Path, tc: TrainConfig):
                                            enable_async_checkpointing=False))
 
 
+def _init_from_params(tc: TrainConfig) -> Any:
+  """The fp32 params `tc.init_from` names: a run directory's latest checkpoint, else a loadable model whose
+  architecture is tc's (checked before the run directory is touched)."""
+  if latest_step(tc.init_from) is not None:
+    return restore(tc.init_from)[0]
+  import dinfer_jax
+  try:
+    model = dinfer_jax.load(tc.init_from, dtype="float32")
+  except (OSError, ValueError) as e:
+    raise FileNotFoundError(f"init_from: {tc.init_from} is neither a run directory with checkpoints nor a "
+                            f"model ({e})") from None
+  want = tc.model_config()
+  if dataclasses.replace(model.config, moe_impl=want.moe_impl) != want:
+    raise ValueError(f"init_from: {tc.init_from} is a {model.config} model, but this run builds {want}; "
+                     "give the same architecture flags (e.g. --max-position)")
+  return jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32), model.params)
+
+
 def latest_step(run_dir: os.PathLike) -> int | None:
   d = pathlib.Path(run_dir) / CHECKPOINTS
   if not d.is_dir():
@@ -350,8 +369,7 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   elif have is not None:
     raise ValueError(f"{run_dir} has checkpoints but no {TRAIN_CONFIG}; use a new run directory")
   dcfg = tc.data_config()
-  if tc.init_from and have is None and latest_step(tc.init_from) is None:
-    raise FileNotFoundError(f"init_from: {tc.init_from} has no checkpoints")
+  start_params = _init_from_params(tc) if tc.init_from and have is None and init_params is None else None
   run_dir.mkdir(parents=True, exist_ok=True)
   if jax.process_index() == 0:  # one writer when several processes share the run directory
     _write_json_atomic(cfg_path, tc.to_json())
@@ -370,9 +388,8 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
     if init_params is not None:
       params = jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32), init_params)  # a copy: donated
       opt_state = optimizer.init(params)
-    elif tc.init_from:
-      params, _, _ = restore(tc.init_from)
-      opt_state = optimizer.init(params)
+    elif start_params is not None:
+      params, opt_state = start_params, optimizer.init(start_params)
     start = 0
     if mesh is not None:
       params, opt_state = step_fn.place_state(params, opt_state)

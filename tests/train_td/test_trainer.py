@@ -265,12 +265,23 @@ _TINY_FLAGS = ["--d-model", 32, "--n-layers", 2, "--n-heads", 2, "--n-experts", 
     (["--batch-size", "0"], "batch_size must be an int >= 1, got 0"),
     (["--lr", "-1"], "lr must be a number > 0"),
     (["--resume"], "has no checkpoints to resume from"),
+    (["--init-from", "/nonexistent"], "init_from: /nonexistent is neither a run directory with checkpoints nor a model"),
+    (["--init-from", "default"], "init_from: default is a"),  # the tiny flags build another architecture
 ])
 def test_train_refusals_write_nothing(tmp_path, capsys, flags, want):
   rc, err = _cli(["train", tmp_path / "run", *_TINY_FLAGS, *flags], capsys)
   assert rc == 2 and err.strip().splitlines()[-1].startswith("error: ") and want in err, err
   assert "Traceback" not in err
   assert not (tmp_path / "run").exists()  # the corrected command is not refused afterwards
+
+
+def test_init_from_a_model_starts_from_its_weights():
+  import dinfer_jax
+  model = dinfer_jax.load("default", dtype="float32")
+  tc = trainer.TrainConfig(init_from="default", max_position=model.config.max_position)
+  got = trainer._init_from_params(tc)
+  assert leaves_equal(got, model.params)
+  assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(got))
 
 
 @pytest.mark.parametrize("argv, want", [
