@@ -107,6 +107,17 @@ def generation_config(args: argparse.Namespace, model_path: str | None = None,
     raise ValueError(str(e)) from None
 
 
+def rule_generation_configs(args: argparse.Namespace, model_path: str | None) -> list[GenerationConfig]:
+  """The distinct GenerationConfigs the model's prompt rules give (flags still win), in rule order: what
+  a server must compile besides its default config so the first long question does not wait for it."""
+  out: list[GenerationConfig] = []
+  for rule in _read_generation_file(model_path).get(PROMPT_RULES, []):
+    g = generation_config(args, model_path, rule.get("prefix", ""))
+    if g not in out:
+      out.append(g)
+  return out
+
+
 def knob_sources(args: argparse.Namespace, model_path: str | None) -> dict[str, str]:
   """knob -> where its value came from, for messages."""
   import pathlib

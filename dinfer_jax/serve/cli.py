@@ -65,8 +65,11 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   metrics.queue_depth = lambda: batcher.depth
   mask = gcfg.mask_id if gcfg.mask_id is not None else model.config.mask_token_id
   t = time.perf_counter()
-  n = batcher.warmup(gcfg, warmup_prompt_lengths(model.config, gcfg, args.warmup_max_prompt_len),
-                     token_id=next(i for i in range(model.config.vocab_size) if i != mask))
+  n = 0
+  # The model's prompt rules (e.g. long sums: gen_length 32) are programs of their own: warm them too.
+  for g in [gcfg] + [r for r in cli.rule_generation_configs(args, model.path) if r != gcfg]:
+    n += batcher.warmup(g, warmup_prompt_lengths(model.config, g, args.warmup_max_prompt_len),
+                        token_id=next(i for i in range(model.config.vocab_size) if i != mask))
   log(f"dinfer-jax serve: warmed {n} compiled programs in {time.perf_counter() - t:.1f}s")
   config_for = None
   if model.tokenizer is not None:

@@ -131,3 +131,25 @@ def test_settled_prefix_holds_back_what_later_tokens_may_change():
   assert settled_prefix("x*3+", ["+2"]) == "x*3"  # "+" may start "+2"
   assert settled_prefix("xcab", ["ab", "cabXY"]) == "x"  # "cab" may start the earlier "cabXY"
   assert settled_prefix("ab\ufffd", None) == "ab"  # half a multi-byte character
+
+
+def test_serve_warms_the_prompt_rule_programs_too(monkeypatch):
+  """The default model's long-sum rule (gen_length 32) is a program of its own: the server compiles it
+  before serving, for every prompt bucket, as it does the default config's."""
+  import argparse
+
+  from dinfer_jax.serve import cli as serve_cli
+  warmed = []
+  monkeypatch.setattr(DynamicBatcher, "warmup",
+                      lambda self, g, lengths, **kw: warmed.append((g.gen_length, tuple(lengths))) or len(lengths))
+  p = argparse.ArgumentParser()
+  sub = p.add_subparsers()
+  serve_cli.register(sub)
+  args = p.parse_args(["serve", "--warmup-max-prompt-len", "48"])
+  serve_cli.build(args, log=lambda m: None)
+  assert warmed == [(8, (16, 32, 48)), (32, (16, 32, 48))]
+  rules = cli.rule_generation_configs(args, dinfer_jax.load().path)
+  assert [g.gen_length for g in rules] == [32] and rules[0].block_length == 8
+  # a flag given on the command line still wins over the rule
+  args = p.parse_args(["serve", "--gen-length", "16"])
+  assert [g.gen_length for g in cli.rule_generation_configs(args, dinfer_jax.load().path)] == [16]
