@@ -32,6 +32,7 @@ import pathlib
 import re
 import sys
 import time
+import types
 from typing import Any
 
 import jax
@@ -40,8 +41,9 @@ import numpy as np
 
 from dinfer_jax.bench import presets
 from dinfer_jax.bench.gpu_check import bytes_per_forward, flops_per_forward
-from dinfer_jax.bench.throughput import forward_programs
+from dinfer_jax.bench.throughput import cached_kind, forward_programs
 from dinfer_jax.engine import generate as gen_lib
+from dinfer_jax.engine import iteration
 from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.model import moe
@@ -309,7 +311,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     compiled, compile_s = target.compile(f, aparams, *target.abstract(args))
     mc = ModuleCost(compiled_text(compiled))
     cost = mc.total()
-    tokens = Tc if kind == "full" else W
+    tokens = Tc if kind == "full" else (int(kind.split("@")[1]) if "@" in kind else W)
     kv_len = 0 if kind == "full" else Tc
     floor = bytes_per_forward(cfg, dtype_bytes=dbytes, batch=batch, tokens=tokens, kv_len=kv_len, logits_tokens=L)
     floor_bytes = floor["total"] + batch * L * cfg.vocab_size * 4  # fp32 logits written
@@ -352,8 +354,15 @@ def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float) -> list[di
     else:
       refreshes = -(-G // L)
       cached = max(forwards - refreshes, 0.0)
-      gen_s = refreshes * t["refresh"] + cached * t["cached"]
-      floor_s = refreshes * fl["refresh"] + cached * fl["cached"]
+      # The cached forwards spread evenly over the blocks; the prefix cache's window shrinks with the block.
+      kinds = ["cached"] * refreshes
+      if cache == "prefix":
+        widths = iteration.prefix_windows(refreshes, L)
+        grid = types.SimpleNamespace(windows=widths)
+        kinds = [cached_kind(grid, widths[int(iteration.prefix_window_index(k * L, widths=widths, gen_end=G))])
+                 for k in range(refreshes)]
+      gen_s = refreshes * t["refresh"] + sum(cached / refreshes * t[k] for k in kinds)
+      floor_s = refreshes * fl["refresh"] + sum(cached / refreshes * fl[k] for k in kinds)
     out.append({"batch": batch, "cache": cache, "tpf": tpf, "generate_ms": 1e3 * gen_s,
                 "predicted_tps_per_seq": G / gen_s, "predicted_tps_aggregate": batch * G / gen_s,
                 "floor_tps_per_seq": G / floor_s})

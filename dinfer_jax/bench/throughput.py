@@ -116,6 +116,11 @@ def _chained(f, n: int):
   return jax.jit(many)
 
 
+def cached_kind(grid, width: int) -> str:
+  """Name of the cached forward of this window width: "cached" (the widest), "cached@<width>" otherwise."""
+  return "cached" if not grid.windows or width == grid.windows[0] else f"cached@{width}"
+
+
 def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, table=None,
                      abstract_dtype=None) -> dict[str, tuple[Callable[..., Any], tuple]]:
   """Per kind of forward the engine runs for this layout: (f, args), f(params, *args) a pure forward of
@@ -169,6 +174,11 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, 
                      **inp, **lg).logits
     progs["cached"] = (cached_fwd, (inputs(canvas[:, c0:c0 + W]), cache, pos[:, c0:c0 + W], valid, write,
                                     jnp.int32(c0), jnp.int32(C - c0)))
+    # The prefix cache's narrower windows (grid.windows), each at the last block it serves.
+    for w in grid.windows[1:]:
+      c0 = Tc - w
+      progs[cached_kind(grid, w)] = (cached_fwd, (inputs(canvas[:, c0:]), cache, pos[:, c0:], valid,
+                                                  jnp.ones((Bsz, w), bool), jnp.int32(c0), jnp.int32(w - L)))
   if mode == "block_diffusion":
     P = grid.prefill_len
     bc = (blk_of[None, :P, None] >= blk_of[None, None, :P]) & valid[:, None, :P]
@@ -205,10 +215,15 @@ def time_forwards_chained(params, mcfg, gcfg, lay, static, n: int = 8, reps: int
   return out
 
 
-def engine_counts(out_counts: dict[str, int], nfe: int) -> dict[str, int]:
-  """forward_counts {"full", "cached"} plus the prefill forwards (the rest of the NFE)."""
+def engine_counts(out_counts: dict[str, int], nfe: int, grid=None,
+                  cached_windows: dict[int, int] | None = None) -> dict[str, int]:
+  """forward_counts {"full", "cached"} plus the prefill forwards (the rest of the NFE); with the prefix
+  cache's windows (GenerationResult.cached_windows) the cached forwards split by width (cached_kind)."""
   counts = dict(out_counts)
   counts["prefill"] = nfe - sum(out_counts.values())
+  if cached_windows:
+    del counts["cached"]
+    counts.update({cached_kind(grid, w): n for w, n in cached_windows.items()})
   return counts
 
 
@@ -246,7 +261,7 @@ def run_engine(params, mcfg: ModelConfig, batches: Sequence[Sequence[Sequence[in
       # The overhead compares the fastest call with the fastest of forward_reps standalone forwards: take
       # as many samples of the call, so that neither minimum is luckier on a noisy machine.
       times += _times(lambda: call(batch), forward_reps - repeats)[0]
-    counts = engine_counts(res.forward_counts, res.nfe)
+    counts = engine_counts(res.forward_counts, res.nfe, lay.grid, res.cached_windows)
     fwd = seen[key]
     records.append(CallRecord(
         wall_s=wall, wall_min_s=min(times), num_tokens=list(res.num_tokens), row_nfe=list(res.row_nfe), nfe=res.nfe,

@@ -28,6 +28,9 @@ class GenerationResult:
     (filled by early stop).
   num_tokens: len(tokens) per row. nfe: model forwards executed by the call (a forward batched over rows
     counts once). row_nfe: forwards each row took part in (equals its NFE when run alone).
+  forward_counts: {"full": refresh/full forwards, "cached": cached forwards}.
+  cached_windows: prefix cache only: the cached forwards per window width (its windows shrink with the
+    block, layout.Grid.windows), {width: forwards}; empty otherwise.
   """
   tokens: list[list[int]]
   canvas: list[list[int]]
@@ -37,6 +40,7 @@ class GenerationResult:
   row_nfe: list[int]
   prompt_lengths: list[int]
   forward_counts: dict[str, int]
+  cached_windows: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def count_generated(generated: Sequence[int], eos_id: int) -> int:
@@ -188,7 +192,8 @@ def sharded_run(mesh: jax.sharding.Mesh, param_treedef, param_leaf_shardings: tu
   p_sh = jax.tree_util.tree_unflatten(param_treedef, param_leaf_shardings)
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  outs = {"canvas": rows, "commit": rows, "row_nfe": rows, "nfe": repl, "n_full": repl, "n_cached": repl}
+  outs = {"canvas": rows, "commit": rows, "row_nfe": rows, "nfe": repl, "n_full": repl, "n_cached": repl,
+          "n_window": repl}
   donate = (1, 3) if jax.default_backend() != "cpu" else ()
   return jax.jit(functools.partial(loop.run, **dict(static)), in_shardings=(p_sh, rows, rows, rows, repl),
                  out_shardings=outs, donate_argnums=donate)
@@ -200,6 +205,8 @@ def collect(lay: Layout, out: dict, n_rows: int, eos_id: int) -> GenerationResul
   row_nfe = sharding.to_host(out["row_nfe"])
   scalar = lambda k: int(sharding.to_host(out[k]))
   res = GenerationResult([], [], [], [], scalar("nfe"), [], [], {"full": scalar("n_full"), "cached": scalar("n_cached")})
+  if lay.grid.windows:
+    res.cached_windows = dict(zip(lay.grid.windows, sharding.to_host(out["n_window"]).tolist()))
   for r in range(n_rows):
     pad, P, end = int(lay.pad[r]), int(lay.prompt_len[r]), int(lay.end[r])
     row = canvas[r, pad:end].tolist()

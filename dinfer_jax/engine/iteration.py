@@ -4,6 +4,7 @@
   E[MASK] + w_n * softmax(z) @ E, with w_n = min(0.15 + 0.02 n, cont_weight) and the decoder's threshold
   relaxed from 1 as tau_n = max(1 - 0.02 n, threshold); n counts the row's forwards so far.
 - The vicinity window of the cached step: [s - prefix_look, e + after_look).
+- The prefix cache's shrinking windows: the block and everything after it, in a few bucketed widths.
 """
 from __future__ import annotations
 
@@ -39,6 +40,30 @@ def soft_embed(table: jax.Array, tokens: jax.Array, logits: jax.Array, masked: j
   soft = jnp.einsum("BWV,VD->BWD", p.astype(table.dtype), table, preferred_element_type=jnp.float32)
   add = jnp.where(masked[..., None], weight[:, None, None] * soft, 0.0)
   return (base.astype(jnp.float32) + add).astype(table.dtype)
+
+
+# Prefix-cache window widths per program: the widest covers the whole generation, each next one half of it
+# (in whole blocks). Every width is one more copy of the cached forward in the compiled program, so a few:
+# for 16 blocks, widths of 16, 8, 4 and 2 blocks cost 10.75 blocks per forward on average instead of 16
+# (8.5 would need one width per block).
+MAX_PREFIX_WINDOWS = 4
+
+
+def prefix_windows(num_blocks: int, block_len: int) -> tuple[int, ...]:
+  """Bucketed widths of the prefix cache's cached forward, widest first (num_blocks * block_len, ...)."""
+  return tuple(sorted({block_len * -(-num_blocks // 2**j) for j in range(MAX_PREFIX_WINDOWS)}, reverse=True))
+
+
+def prefix_window_index(s: jax.Array, *, widths: tuple[int, ...], gen_end: int) -> jax.Array:
+  """Which of `widths` the cached forward of the block starting at s takes: the narrowest that still holds
+  [s, gen_end), the block and every position after it."""
+  return (jnp.sum(jnp.asarray(widths) >= gen_end - s) - 1).astype(jnp.int32)
+
+
+def prefix_window_start(s: jax.Array, width: int, canvas_len: int) -> jax.Array:
+  """c0 of a prefix window of this width: at the block start, or moved left to stay on the canvas (the
+  extra positions are recomputed as queries; their keys stay the cached ones, see cached_window)."""
+  return jnp.minimum(s, canvas_len - width).astype(jnp.int32)
 
 
 def cached_window(s: jax.Array, *, gcfg: GenerationConfig, first_block: int, canvas_len: int,

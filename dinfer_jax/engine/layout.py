@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.engine import iteration
 from dinfer_jax.engine.config import GenerationConfig
 
 
@@ -29,8 +30,10 @@ class Grid:
   first_block: int  # C
   num_blocks: int
   block_len: int
-  window: int  # width of the cached forward's input (0 without a cache)
+  window: int  # width of the cached forward's input (0 without a cache; the widest of `windows`)
   prefill_len: int  # block diffusion's prefill width (0 otherwise)
+  # Prefix cache: the bucketed widths its cached forward shrinks through (iteration.prefix_windows).
+  windows: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -120,6 +123,7 @@ def make_layout(prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, mcfg: 
     pos[r] = np.maximum(np.arange(Tc) - pr, 0)
   # Rows added only to fill a batch bucket stay invalid everywhere: they never decode and cost no NFE.
   prefill = max(C, B) if block_diffusion else 0
+  windows = iteration.prefix_windows(nb, B) if gcfg.cache == "prefix" and not block_diffusion else ()
   grid = Grid(batch=rows, canvas_len=Tc, first_block=C, num_blocks=nb, block_len=B, window=window,
-              prefill_len=prefill)
+              prefill_len=prefill, windows=windows)
   return Layout(grid, canvas, valid, pos, pad, np.concatenate([lens, np.zeros(rows - n, int)]), end)

@@ -57,6 +57,8 @@ def _constrain(st: dict[str, Any]) -> dict[str, Any]:
       out[k] = shard_rows(v)
     elif k in axes:
       out[k] = shard(v, axes[k])
+    elif k == "n_window":  # a counter per window width, not per row
+      out[k] = v
     else:
       out[k] = shard(v, ROW_AXES) if v.ndim == 1 else v
   return out
@@ -80,7 +82,8 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     stream, stream_id: when stream, every finished block's canvas goes to the host callback registered
       under stream_id (register_stream) while the program runs.
   Returns: dict with canvas [B, Tc], commit [B, Tc] (1-based forward index of the row, -1 never),
-    row_nfe [B], nfe [] (forwards executed by the call), full/cached forward counts.
+    row_nfe [B], nfe [] (forwards executed by the call), full/cached forward counts, n_window: cached
+    forwards per prefix window width (grid.windows).
   """
   Bsz, Tc = canvas.shape
   L, C, W = grid.block_len, grid.first_block, grid.window
@@ -103,6 +106,8 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       "n_cached": jnp.zeros((), jnp.int32),
       "done": ~valid.any(axis=1),
       "block": jnp.zeros((), jnp.int32),
+      # cached forwards per prefix window width (grid.windows); one unused slot in the other modes
+      "n_window": jnp.zeros((max(len(grid.windows), 1),), jnp.int32),
   }
   if smoothing:
     st["emb"] = jnp.take(table, canvas, axis=0)
@@ -133,8 +138,41 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     new_cache = cache_lib.select_rows(rows_refresh, out.kv, st["cache"]) if cached_mode else None
     return out.logits, new_cache
 
+  def window_forward(st, s, c0, width, key_mask, write):
+    """Forward of the canvas window [c0, c0 + width) over the cache; fresh K/V where `write`."""
+    if smoothing:
+      inp = {"embeds": jax.lax.dynamic_slice_in_dim(st["emb"], c0, width, axis=1)}
+      lg = {}
+    else:
+      inp = {"tokens": jax.lax.dynamic_slice_in_dim(st["canvas"], c0, width, axis=1)}
+      lg = {"logits_start": s - c0, "logits_len": L}
+    return forward(params, mcfg, positions=jax.lax.dynamic_slice_in_dim(positions, c0, width, axis=1),
+                   mask=key_mask, cache=st["cache"], cache_start=c0, write_mask=write, **inp, **lg)
+
+  def prefix_forward(st, s):
+    """The prefix cache's cached forward over the narrowest bucketed window that holds the block and
+    everything after it (grid.windows), not the whole generation every time: one lax.switch branch per
+    width. With smoothing the window's logits go back to the widest window's coordinates (it starts at C),
+    where the rest of the step expects them."""
+    def at(width):
+      def branch(st):
+        c0 = iteration.prefix_window_start(s, width, Tc)
+        write = jnp.broadcast_to((c0 + jnp.arange(width) >= s)[None, :], (Bsz, width))
+        logits = window_forward(st, s, c0, width, valid, write).logits
+        if smoothing:
+          logits = jax.lax.dynamic_update_slice_in_dim(
+              jnp.zeros((Bsz, W, mcfg.vocab_size), logits.dtype), logits, c0 - C, axis=1)
+        return logits
+      return branch
+    idx = iteration.prefix_window_index(s, widths=grid.windows, gen_end=Tc)
+    logits = jax.lax.switch(idx, [at(w) for w in grid.windows], st)
+    write = jnp.broadcast_to((C + jnp.arange(W) >= s)[None, :], (Bsz, W))
+    return logits, st["cache"], jnp.asarray(C, jnp.int32), write
+
   def cached_forward(st, s, rows_persist):
     """Window forward over the cache; block diffusion persists the fresh K/V of its rows."""
+    if mode == "prefix" and len(grid.windows) > 1:
+      return prefix_forward(st, s)
     if mode == "block_diffusion":
       c0, lo, hi = s, s, s + L
       key_mask = valid & (col[None, :] < s + L)  # the cache holds exactly the positions before the block end
@@ -143,14 +181,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       key_mask = valid
     wcol = c0 + jnp.arange(W)
     write = jnp.broadcast_to(((wcol >= lo) & (wcol < hi))[None, :], (Bsz, W))
-    if smoothing:
-      inp = {"embeds": jax.lax.dynamic_slice_in_dim(st["emb"], c0, W, axis=1)}
-      lg = {}
-    else:
-      inp = {"tokens": jax.lax.dynamic_slice_in_dim(st["canvas"], c0, W, axis=1)}
-      lg = {"logits_start": s - c0, "logits_len": L}
-    out = forward(params, mcfg, positions=jax.lax.dynamic_slice_in_dim(positions, c0, W, axis=1), mask=key_mask,
-                  cache=st["cache"], cache_start=c0, write_mask=write, **inp, **lg)
+    out = window_forward(st, s, c0, W, key_mask, write)
     new_cache = st["cache"]
     if mode == "block_diffusion":
       new_cache = cache_lib.select_rows(rows_persist, out.kv, st["cache"])
@@ -272,6 +303,9 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       nb["nfe"] = b["nfe"] + ran_full + ran_cached
       nb["n_full"] = b["n_full"] + ran_full
       nb["n_cached"] = b["n_cached"] + ran_cached
+      if grid.windows:
+        win = iteration.prefix_window_index(s, widths=grid.windows, gen_end=Tc)
+        nb["n_window"] = b["n_window"].at[win].add(ran_cached)
       nb["refreshed"] = b["refreshed"] | refresh_rows
       nb["forced"] = jnp.where(refresh_rows, True, jnp.where(use_cached, False, b["forced"]))
       if mode == "block_diffusion":
@@ -300,7 +334,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
 
   st = jax.lax.while_loop(block_cond, block_body, st)
   return {"canvas": st["canvas"], "commit": st["commit"], "row_nfe": st["n"], "nfe": st["nfe"],
-          "n_full": st["n_full"], "n_cached": st["n_cached"]}
+          "n_full": st["n_full"], "n_cached": st["n_cached"], "n_window": st["n_window"]}
 
 
 STATIC = ("mcfg", "gcfg", "grid", "decoder", "mode", "block_causal", "mask_id", "eos_id", "stream")

@@ -1,6 +1,7 @@
 """dinfer-jax bench and the GPU check, on the tiny golden model (fast)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -10,6 +11,7 @@ import pytest
 from dinfer_jax import api, cli
 from dinfer_jax.bench import gpu_check, metrics, throughput
 from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.generate import count_generated, generate
 from tests.engine.golden import MODEL_DIRS, load_model
 
@@ -51,6 +53,23 @@ def test_engine_overhead_uses_counts_times_stubbed_forward_times(monkeypatch):
   m = metrics.summarize([rec])
   assert m["engine_overhead"] == pytest.approx(rec.wall_min_s / rec.predicted_forward_s)
   assert m["engine_overhead_device"] == pytest.approx(rec.wall_min_s / (0.002 * c["full"] + 0.0005 * c["cached"]))
+
+
+def test_prefix_overhead_charges_each_window_width(monkeypatch):
+  """Prefix cache, 3 blocks of 8: cached forwards run windows of 24, 16 and 8 tokens; the predicted forward
+  time charges each its own width's time (the forward kinds the bench times, throughput.forward_programs)."""
+  times = {"full": 0.004, "cached": 0.003, "cached@16": 0.002, "cached@8": 0.001}
+  monkeypatch.setattr(throughput, "time_forwards", lambda *a, **k: times)
+  monkeypatch.setattr(throughput, "time_forwards_chained", lambda *a, **k: times)
+  params, mcfg = load_model("A")
+  gcfg = dataclasses.replace(GCFG, cache="prefix", gen_length=24)
+  lay, static = gen_lib.prepare(mcfg, PROMPTS, gcfg)
+  assert set(throughput.forward_programs(mcfg, gcfg, lay, static, table=params["embed"])) == set(times)
+  (rec,) = throughput.run_engine(params, mcfg, [PROMPTS], gcfg, repeats=1)
+  c = rec.forward_counts
+  assert set(c) == set(times) | {"prefill"} and c["full"] + c["cached"] + c["cached@16"] + c["cached@8"] == rec.nfe
+  assert c["cached@8"] > 0
+  assert rec.predicted_forward_s == pytest.approx(sum(times[k] * c[k] for k in times))
 
 
 def test_token_counts_match_count_generated_and_the_stepped_loop():

@@ -57,6 +57,23 @@ def test_tiny_preset_cpu_target(tmp_path):
   assert p1["predicted_tps_per_seq"] == pytest.approx(G / (gen_ms / 1e3))
 
 
+def test_prefix_windows_shrink_in_the_bench():
+  """The prefix cache's cached forward has one row per window width (4 blocks of 16: 64, 32 and 16 tokens),
+  cheaper as it narrows, and the prediction charges each block the width it runs."""
+  res = roofline.run("tiny", ["h200"], [1], ["prefix"], "cpu", roofline.DINFER_TPF, with_generate=False,
+                     progress=None)
+  rows = {r["kind"]: r for r in res["rows"]}
+  assert set(rows) == {"refresh", "cached", "cached@32", "cached@16"}
+  assert [rows[k]["tokens"] for k in ("cached", "cached@32", "cached@16")] == [64, 32, 16]
+  assert rows["cached@16"]["flops"] < rows["cached@32"]["flops"] < rows["cached"]["flops"]
+  assert rows["cached@16"]["floor_bytes"] < rows["cached"]["floor_bytes"]
+  G, L = 64, 16
+  per_block = (G / roofline.DINFER_TPF - G // L) / (G // L)
+  gen_ms = (G // L) * rows["refresh"]["roofline_ms"] + per_block * sum(
+      rows[k]["roofline_ms"] for k in ("cached", "cached", "cached@32", "cached@16"))
+  assert res["predictions"][0]["predicted_tps_per_seq"] == pytest.approx(G / (gen_ms / 1e3))
+
+
 def test_bad_arguments():
   with pytest.raises(SystemExit, match="--batches"):
     roofline.main(["--preset", "tiny", "--target", "cpu", "--batches", "0"])

@@ -182,6 +182,36 @@ def test_aligned_first_block_batch3_more(decoder, cache, smoothing):
   check_against_reference("A", ROWS, make_config(decoder, cache, smoothing, start_block_align=True))
 
 
+@pytest.mark.parametrize("smoothing", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_prefix_windows_shrink_batch3(smoothing):
+  """Five blocks: the prefix cache's cached forward runs windows of 5, 3, 2 and 1 blocks (iteration.
+  prefix_windows), the narrowest holding the block and everything after it; block 1's 4 blocks take the
+  5-block window moved left onto the canvas. Every row still equals the reference's exact [s, end) window."""
+  from dinfer_jax.engine import iteration
+  gcfg = make_config("threshold", "prefix", smoothing, gen_length=5 * B)
+  assert iteration.prefix_windows(5, B) == (40, 24, 16, 8)
+  widths = [iteration.prefix_windows(5, B)[int(iteration.prefix_window_index(C + k * B, widths=(40, 24, 16, 8),
+                                                                            gen_end=C + 5 * B))]
+            for C in (16,) for k in range(5)]
+  assert widths == [40, 40, 24, 16, 8]
+  res, refs = check_against_reference("A", ROWS, gcfg)
+  assert max(len(r.forward_block) and max(r.forward_block) for r in refs) == 4  # a row reached the last block
+  # The cached forwards per window width, predicted from the rows' reference runs (lockstep iterations).
+  want = {w: 0 for w in (40, 24, 16, 8)}
+  per_iter = set()
+  for ref in refs:
+    seen = {}
+    for (kind, _, _), blk in zip(ref.forwards, ref.forward_block):
+      i = seen.get(blk, 0)
+      seen[blk] = i + 1
+      if kind == "cached":
+        per_iter.add((blk, i))
+  for blk, _ in per_iter:
+    want[widths[blk]] += 1
+  assert res.cached_windows == want and sum(want.values()) == res.forward_counts["cached"], (res.cached_windows, want)
+  assert want[8] > 0 and want[40] > 0
+
+
 # ----------------------------------------------------------------------------- dense LLaDA
 
 DENSE_ALL = [("threshold", "dual", False), ("hierarchy", "prefix", False), ("threshold", "none", True),

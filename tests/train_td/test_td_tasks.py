@@ -289,10 +289,12 @@ def test_split_problems_and_verifier():
     assert len(p.answer) == SPLIT.answer_chars and p.answer[3] == "+"  # both addends in 3 columns
     a, b = (int(x) for x in p.answer.split("+"))
     assert a + b == n and a >= 0 and b >= 0 and SPLIT.check(p, p.answer)
+    # column by column, no carries: the digits of each column add up to N's digit there
+    assert [int(x) + int(y) for x, y in zip(p.answer[:3], p.answer[4:])] == [int(c) for c in f"{n:03d}"]
     answers.setdefault(n, set()).add(a)
   # Many right answers per prompt: the first addend is spread over 0..N, not a function of N.
   assert max(len(v) for v in answers.values()) >= 5
-  p = tasks.Problem(task="split", prompt="split: 73", answer=" 70+  3", split_keys=("n:73",))
+  p = tasks.Problem(task="split", prompt="split: 73", answer="070+003", split_keys=("n:73",))
   for right in ["70+3", " 0+73", "73+0", "36 + 37", "073+000\n"]:
     assert SPLIT.check(p, right), right
   for wrong in ["70+4", "73", "70-3", "+73", "-1+74", "7 0+3", "", "1" * 100, "\u0667\u0660+3", None, "70+3+0"]:
