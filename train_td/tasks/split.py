@@ -1,19 +1,23 @@
-"""Splitting a number: "split:573" -> any two non-negative numbers that add up to it, e.g. "215+358".
+"""Splitting a number: "split:573" -> any two non-negative numbers that add up to it, e.g. "251+322".
 
 The task with many right answers, which is what real text is like and the other tasks are not. Every answer
 of `arithmetic`, `program` and `add` is a function of its prompt, so a model trained on them is confident in
 every answer position at once and decodes each block in one forward: trajectory distillation has nothing to
-compress there (train_td/README.md). Here the training answers draw the first addend uniformly from 0..N, so
-the masked-diffusion model learns a *spread* marginal over the addend's digits: no digit is confident until
-the ones committed before it pin the rest down, and the threshold decoder commits about one digit per forward.
-The model's own trajectory picks one answer per prompt (the engine is greedy), and its compressed transitions
-teach the TD model to commit to that answer in one go: the setting in which dInfer's LLaDA-MoE-TD doubles the
-tokens per forward of a real LLM.
+compress there (train_td/README.md). Here the training answers split N column by column without carries
+(each column's digit n is split into a uniform a in 0..n and n - a), so the masked-diffusion model learns a
+*spread* marginal over the first addend's digits: a column is not confident until one of its two digits is
+committed, and the threshold decoder commits about one digit per forward. The model's own trajectory picks
+one answer per prompt (the engine is greedy), and its compressed transitions teach the TD model to commit to
+that answer in one go: the setting in which dInfer's LLaDA-MoE-TD doubles the tokens per forward of a real LLM.
 
-Answers are written in columns as the arithmetic task writes them: both addends right-aligned to `digits`
-columns around the "+" (`" 15+558"`), 2 * digits + 1 characters + <|eos|> = one block of 8 at 3 digits, so
-the second addend's digit k always sits at a fixed offset from the first's and from N's (b = N - a, column by
-column). Any spacing is accepted by the verifier.
+Why without carries: a split with carries (a uniform in 0..N) makes every digit depend on the digits to its
+right through the borrow, and the 4-layer model fine-tuned on it for 1000 steps wrote consistent pairs for 6%
+of held-out numbers; column by column, a digit depends only on its own column's other digit.
+
+Answers are written in columns: both addends zero-padded to `digits` columns around the "+" (`"251+322"`),
+2 * digits + 1 characters + <|eos|> = one block of 8 at 3 digits, so the digits of a column sit at fixed
+offsets from each other and from N's digit. The verifier accepts any two numbers that add up to N, however
+written (carries, spaces, no padding).
 
 Split: one key, N itself, so a held-out number is never trained on with any answer.
 """
@@ -34,7 +38,8 @@ _MAX_ANSWER_CHARS = 64  # bounds the parse of untrusted text; any right answer i
 
 @dataclasses.dataclass(frozen=True)
 class SplitTask(Task):
-  """N uniform in [0, 10**digits), the training answer a + (N - a) with a uniform in [0, N].
+  """N uniform in [0, 10**digits), the training answer a + b split column by column: a's digit uniform in
+  0..N's digit, b's the rest.
 
   Attributes:
     digits: Most digits of N; also the column width of N and of both addends.
@@ -57,11 +62,13 @@ class SplitTask(Task):
     return f"{PREFIX}{n:>{self.digits}}"
 
   def write_answer(self, a: int, b: int) -> str:
-    return f"{a:>{self.digits}}+{b:>{self.digits}}"
+    return f"{a:0{self.digits}d}+{b:0{self.digits}d}"
 
   def generate(self, rng: np.random.Generator) -> Problem:
     n = int(rng.integers(0, 10**self.digits))
-    a = int(rng.integers(0, n + 1))
+    cols = [int(c) for c in f"{n:0{self.digits}d}"]
+    a_cols = [int(rng.integers(0, c + 1)) for c in cols]
+    a = int("".join(map(str, a_cols)))
     return Problem(task=self.name, prompt=self.write(n), answer=self.write_answer(a, n - a),
                    split_keys=(f"n:{n}",))
 
