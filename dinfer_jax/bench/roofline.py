@@ -32,7 +32,6 @@ import pathlib
 import re
 import sys
 import time
-import types
 from typing import Any
 
 import jax
@@ -358,8 +357,7 @@ def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float) -> list[di
       kinds = ["cached"] * refreshes
       if cache == "prefix":
         widths = iteration.prefix_windows(refreshes, L)
-        grid = types.SimpleNamespace(windows=widths)
-        kinds = [cached_kind(grid, widths[int(iteration.prefix_window_index(k * L, widths=widths, gen_end=G))])
+        kinds = [cached_kind(widths, widths[int(iteration.prefix_window_index(k * L, widths=widths, gen_end=G))])
                  for k in range(refreshes)]
       gen_s = refreshes * t["refresh"] + sum(cached / refreshes * t[k] for k in kinds)
       floor_s = refreshes * fl["refresh"] + sum(cached / refreshes * fl[k] for k in kinds)

@@ -116,9 +116,10 @@ def _chained(f, n: int):
   return jax.jit(many)
 
 
-def cached_kind(grid, width: int) -> str:
-  """Name of the cached forward of this window width: "cached" (the widest), "cached@<width>" otherwise."""
-  return "cached" if not grid.windows or width == grid.windows[0] else f"cached@{width}"
+def cached_kind(windows: tuple[int, ...], width: int) -> str:
+  """Name of the cached forward of this window width (windows: layout.Grid.windows): "cached" (the widest),
+  "cached@<width>" otherwise."""
+  return "cached" if not windows or width == windows[0] else f"cached@{width}"
 
 
 def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, table=None,
@@ -177,7 +178,7 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, 
     # The prefix cache's narrower windows (grid.windows), each at the last block it serves.
     for w in grid.windows[1:]:
       c0 = Tc - w
-      progs[cached_kind(grid, w)] = (cached_fwd, (inputs(canvas[:, c0:]), cache, pos[:, c0:], valid,
+      progs[cached_kind(grid.windows, w)] = (cached_fwd, (inputs(canvas[:, c0:]), cache, pos[:, c0:], valid,
                                                   jnp.ones((Bsz, w), bool), jnp.int32(c0), jnp.int32(w - L)))
   if mode == "block_diffusion":
     P = grid.prefill_len
@@ -223,7 +224,7 @@ def engine_counts(out_counts: dict[str, int], nfe: int, grid=None,
   counts["prefill"] = nfe - sum(out_counts.values())
   if cached_windows:
     del counts["cached"]
-    counts.update({cached_kind(grid, w): n for w, n in cached_windows.items()})
+    counts.update({cached_kind(grid.windows, w): n for w, n in cached_windows.items()})
   return counts
 
 

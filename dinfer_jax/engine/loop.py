@@ -149,7 +149,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     return forward(params, mcfg, positions=jax.lax.dynamic_slice_in_dim(positions, c0, width, axis=1),
                    mask=key_mask, cache=st["cache"], cache_start=c0, write_mask=write, **inp, **lg)
 
-  def prefix_forward(st, s):
+  def prefix_forward(st, s, win):
     """The prefix cache's cached forward over the narrowest bucketed window that holds the block and
     everything after it (grid.windows), not the whole generation every time: one lax.switch branch per
     width. With smoothing the window's logits go back to the widest window's coordinates (it starts at C),
@@ -164,15 +164,15 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
               jnp.zeros((Bsz, W, mcfg.vocab_size), logits.dtype), logits, c0 - C, axis=1)
         return logits
       return branch
-    idx = iteration.prefix_window_index(s, widths=grid.windows, gen_end=Tc)
-    logits = jax.lax.switch(idx, [at(w) for w in grid.windows], st)
+    logits = jax.lax.switch(win, [at(w) for w in grid.windows], st)
     write = jnp.broadcast_to((C + jnp.arange(W) >= s)[None, :], (Bsz, W))
     return logits, st["cache"], jnp.asarray(C, jnp.int32), write
 
-  def cached_forward(st, s, rows_persist):
-    """Window forward over the cache; block diffusion persists the fresh K/V of its rows."""
+  def cached_forward(st, s, rows_persist, win):
+    """Window forward over the cache; block diffusion persists the fresh K/V of its rows. win: the block's
+    prefix window (index into grid.windows)."""
     if mode == "prefix" and len(grid.windows) > 1:
-      return prefix_forward(st, s)
+      return prefix_forward(st, s, win)
     if mode == "block_diffusion":
       c0, lo, hi = s, s, s + L
       key_mask = valid & (col[None, :] < s + L)  # the cache holds exactly the positions before the block end
@@ -189,6 +189,8 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
 
   def block_body(st):
     s = C + st["block"] * L
+    # the prefix cache's window width for this block (one per block, not per step)
+    win = iteration.prefix_window_index(s, widths=grid.windows, gen_end=Tc) if grid.windows else None
     blk = lambda a: jax.lax.dynamic_slice_in_dim(a, s, L, axis=1)
     maskable = blk(valid) & ~st["done"][:, None]
     bst = dict(st)
@@ -233,7 +235,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
           # The cached forward reads the cache as refreshed by this iteration's full forward (a refreshing
           # row is never cached in the same iteration, so that read only matters for other rows: unchanged).
           if do_cached:
-            cl, cache, c0, write = cached_forward(dict(b, cache=cache), s, use_cached)
+            cl, cache, c0, write = cached_forward(dict(b, cache=cache), s, use_cached, win)
           else:
             c0, _, _ = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W) \
                 if mode != "block_diffusion" else (s, s, s + L)
@@ -304,7 +306,6 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       nb["n_full"] = b["n_full"] + ran_full
       nb["n_cached"] = b["n_cached"] + ran_cached
       if grid.windows:
-        win = iteration.prefix_window_index(s, widths=grid.windows, gen_end=Tc)
         nb["n_window"] = b["n_window"].at[win].add(ran_cached)
       nb["refreshed"] = b["refreshed"] | refresh_rows
       nb["forced"] = jnp.where(refresh_rows, True, jnp.where(use_cached, False, b["forced"]))
