@@ -73,6 +73,11 @@ def load_tokenizer(path: pathlib.Path):
                                      f"{type(e).__name__}: {msg}") from None
 
 
+def load_config(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dict]:
+  """(ModelConfig, config.json dict) of a model directory or name, without reading any weights."""
+  return checkpoint.converted.read_config_file(resolve_path(path))
+
+
 def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
          mesh: jax.sharding.Mesh | None = None) -> Model:
   """Loads an HF checkpoint directory or a converted (orbax) one.
@@ -85,7 +90,7 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
   """
   p = resolve_path(path)
   if checkpoint.is_converted_checkpoint(p):
-    cfg, _ = checkpoint.converted.read_config_file(p)
+    cfg, _ = load_config(p)
     shardings = _shardings(cfg, dtype, mesh)
     params, cfg, _ = checkpoint.load_converted(p, dtype=dtype, shardings=shardings)
   elif checkpoint.is_hf_checkpoint(p):

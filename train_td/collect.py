@@ -26,11 +26,10 @@ import pathlib
 from typing import Any
 
 from dinfer_jax.engine.config import GenerationConfig
-from train_td import data as data_lib
 from train_td import evaluate
+from train_td import prompting
 from train_td import tasks as tasks_lib
 from train_td import td_data
-from train_td import tokenizer as tok_lib
 
 CONFIG = "collect_config.json"
 
@@ -86,7 +85,7 @@ def done_batches(out: pathlib.Path) -> dict[int, dict[str, int]]:
 def _write_shard(path: pathlib.Path, records: dict[str, list], meta: dict[str, Any]) -> None:
   import pyarrow as pa
   import pyarrow.parquet as pq
-  ints = pa.list_(pa.int16())
+  ints = pa.list_(pa.int32())  # token ids: a 157k vocabulary (LLaDA-MoE) does not fit int16
   schema = pa.schema([("index", pa.int64()), ("task", pa.string()), ("prompt", pa.string()),
                       ("prompt_ids", ints), ("tokens", ints), ("commit_step", ints), ("n_steps", pa.int32()),
                       ("answer", pa.string())], metadata={"collect": json.dumps(meta, sort_keys=True)})
@@ -143,7 +142,7 @@ def collect(model, cc: CollectConfig, out: os.PathLike, *, progress: bool = True
       if stop_after is not None and generated >= stop_after:
         break
       chunk = problems[k * cc.batch:(k + 1) * cc.batch]
-      prompts = [data_lib.encode_prompt(p.prompt) for p in chunk]
+      prompts = prompting.prompt_ids(model, task, chunk)
       # Pad the last batch with copies of its last prompt: one batch shape, one compiled program.
       res = dinfer_jax.generate(model, prompts + [prompts[-1]] * (cc.batch - len(prompts)), gcfg)
       rec: dict[str, list] = {c: [] for c in td_data.COLUMNS}
@@ -176,10 +175,9 @@ def collect(model, cc: CollectConfig, out: os.PathLike, *, progress: bool = True
 def main(args) -> int:
   import jax
   import dinfer_jax
-  from dinfer_jax.cli import generation_config
   model = dinfer_jax.load(args.model, dtype=args.dtype)
-  probe = tasks_lib.train_problems(args.task, 1, seed=args.seed)[0]
-  gcfg = generation_config(args, model.path, tok_lib.format_chat(probe.prompt))
+  gcfg = evaluate.task_generation_config(args, model.path, args.task, model.tokenizer, split="train",
+                                         seed=args.seed)
   cc = CollectConfig(model=args.model, task=args.task, n=args.n, seed=args.seed, batch=args.batch,
                      generation=tuple(sorted(dataclasses.asdict(gcfg).items())))
   out = collect(model, cc, args.out, progress=not args.no_progress, process_index=jax.process_index(),

@@ -17,8 +17,8 @@ import dinfer_jax
 from dinfer_jax.cli import model_generation_defaults
 from dinfer_jax.engine.config import GenerationConfig
 from train_td import evaluate
+from train_td import prompting
 from train_td import tasks as tasks_lib
-from train_td import tokenizer as tok_lib
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DECODERS = ("threshold", "hierarchy", "credit")
@@ -31,7 +31,8 @@ def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=D
   of `settings_from` (default: the model's own), with its prompt rule for the task (e.g. sort's long
   gen_length): comparing a TD model with its base at the base's settings passes the base's path."""
   probe = tasks_lib.test_problems(task, 1, 0)[0]
-  base = model_generation_defaults(settings_from or model.path, tok_lib.format_chat(probe.prompt))
+  base = model_generation_defaults(settings_from or model.path,
+                                   prompting.prompt_text(model.tokenizer, tasks_lib.get_task(task), probe, model.path))
   base.update(cache=cache)
   rows = []
   for dec in decoders:

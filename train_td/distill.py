@@ -16,7 +16,6 @@ import json
 import pathlib
 import time
 
-from train_td import tokenizer as tok_lib
 
 
 def parse_counts(spec: str, tasks: list[str]) -> dict[str, int]:
@@ -36,8 +35,8 @@ def main(args) -> int:
   import dataclasses
   import jax
   import dinfer_jax
-  from dinfer_jax.cli import _read_generation_file, generation_config
-  from train_td import collect, export, tasks as tasks_lib, td_train
+  from dinfer_jax.cli import _read_generation_file
+  from train_td import collect, evaluate, export, tasks as tasks_lib, td_train
   tasks = [t for t in args.tasks.split(",") if t]
   for t in tasks:
     tasks_lib.get_task(t)
@@ -48,8 +47,8 @@ def main(args) -> int:
   stages = {}
   dirs = []
   for t in tasks:
-    probe = tasks_lib.train_problems(t, 1, seed=args.seed)[0]
-    gcfg = generation_config(argparse.Namespace(), base.path, tok_lib.format_chat(probe.prompt))
+    gcfg = evaluate.task_generation_config(argparse.Namespace(), base.path, t, base.tokenizer, split="train",
+                                           seed=args.seed)
     cc = collect.CollectConfig(model=args.base, task=t, n=counts[t], seed=args.seed, batch=args.batch,
                                generation=tuple(sorted(dataclasses.asdict(gcfg).items())))
     d = work / "data" / t

@@ -19,6 +19,7 @@ import numpy as np
 
 from dinfer_jax.engine.config import GenerationConfig
 from train_td import data as data_lib
+from train_td import prompting
 from train_td import tasks as tasks_lib
 from train_td import tokenizer as tok_lib
 
@@ -38,7 +39,7 @@ def evaluate(model, task: str, n: int, gcfg: GenerationConfig, *, seed: int = 0,
   problems = list(problems) if problems is not None else tasks_lib.test_problems(task, n, seed)
   if tokenizer is None:
     tokenizer = getattr(model, "tokenizer", None)
-  prompts = [data_lib.encode_prompt(p.prompt) for p in problems]
+  prompts = prompting.prompt_ids(model, task_obj, problems)
   answers, ok, num_tokens, row_nfe, calls_nfe = [], [], [], [], []
   gen_s, warm_s = 0.0, 0.0
   batch = max(1, min(batch, len(prompts)))
@@ -77,12 +78,18 @@ def evaluate(model, task: str, n: int, gcfg: GenerationConfig, *, seed: int = 0,
   }
 
 
-def task_generation_config(args, model_path: str | None, task: str) -> GenerationConfig:
+def task_generation_config(args, model_path: str | None, task: str, tokenizer=None, *,
+                           split: str = "test", seed: int = 0) -> GenerationConfig:
   """Dataclass < the model's generation_config.json (and its prompt rule for the task's prompts, e.g. a
-  longer gen_length for sort) < flags."""
+  longer gen_length for sort) < flags. `tokenizer`: the model's (read from model_path when a
+  natural-language task needs it and none is given)."""
   from dinfer_jax.cli import generation_config
-  probe = tasks_lib.test_problems(task, 1, 0)[0]
-  return generation_config(args, model_path, tok_lib.format_chat(probe.prompt))
+  task_obj = tasks_lib.get_task(task)
+  probe = next(tasks_lib.iter_problems(task_obj, split, seed))
+  if tokenizer is None and task_obj.chat:
+    from dinfer_jax import api
+    tokenizer = api.load_tokenizer(api.resolve_path(model_path))
+  return generation_config(args, model_path, prompting.prompt_text(tokenizer, task_obj, probe, model_path))
 
 
 def main(args) -> int:
@@ -98,7 +105,7 @@ def main(args) -> int:
   models = [dinfer_jax.load(m, dtype=args.dtype) for m in names]
   results = []
   for task in task_names:
-    gcfg = task_generation_config(args, models[0].path, task)
+    gcfg = task_generation_config(args, models[0].path, task, models[0].tokenizer)
     problems = tasks_lib.test_problems(task, args.n, args.seed)
     for name, model in zip(names, models):
       # The same checks as `dinfer-jax generate`: bad ids, broken weights and a canvas that cannot fit are
@@ -106,7 +113,7 @@ def main(args) -> int:
       sources = knob_sources(args, models[0].path)
       diagnostics.check_ids(model, gcfg, sources)
       diagnostics.check_weights(model)
-      first = [data_lib.encode_prompt(p.prompt) for p in problems[:args.batch]]
+      first = prompting.prompt_ids(model, tasks_lib.get_task(task), problems[:args.batch])
       diagnostics.check_fits(model, first, gcfg, source=sources.get("gen_length", "gen_length"))
       res = evaluate(model, task, args.n, gcfg, seed=args.seed, batch=args.batch, problems=problems)
       for p, a, k in list(zip(problems, res["answers"], res["ok"]))[:args.show]:

@@ -7,6 +7,7 @@ save_converted (orbax) then jax2hf (the one key map), so the directory loads wit
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -16,7 +17,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from dinfer_jax import checkpoint
+from dinfer_jax import api, checkpoint
 from dinfer_jax.checkpoint import outdir
 from dinfer_jax.config import ModelConfig
 from train_td import tokenizer as tok_lib
@@ -73,8 +74,14 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
 
 
 def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "float32",
-                  generation_config: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
+                  generation_config: Mapping[str, Any] | None = None, overwrite: bool = False,
+                  like: str | os.PathLike | None = None) -> dict[str, Any]:
   """Writes params + config + tokenizer + generation_config.json to `out`.
+
+  like: a model directory (or "default") whose format to write: its config.json (torch_dtype set to
+  `dtype`), tokenizer, chat template and other non-weight files; generation_config.json is its own unless
+  `generation_config` is given. Without it: train_td's format (hf_config(cfg), the character tokenizer,
+  DEFAULT_GENERATION unless given).
 
   An existing `out` is replaced only with overwrite=True, and only when it is a model directory (an HF
   checkpoint, e.g. the shipped default model) or an earlier dinfer-jax output: `--out .` never empties
@@ -82,9 +89,14 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
   """
   import ml_dtypes
   np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+  if like is not None:
+    like_cfg, hf = api.load_config(like)
+    if dataclasses.replace(like_cfg, moe_impl=cfg.moe_impl) != cfg:
+      raise ValueError(f"export: the params are a {cfg} model, {like} a {like_cfg} one")
+    hf = dict(hf, torch_dtype=dtype)
+  else:
+    hf = hf_config(cfg, dtype)
   host = jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x), np.float32).astype(np_dtype), params)
-  hf = hf_config(cfg, dtype)
-  gen = dict(DEFAULT_GENERATION if generation_config is None else generation_config)
   out = pathlib.Path(out)
   # Refuse before any work: an existing out without overwrite, or one that is not a model.
   replace_model = overwrite and checkpoint.is_hf_checkpoint(out)
@@ -93,8 +105,13 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
   with tempfile.TemporaryDirectory(prefix="train_td_export_") as tmp:
     aux = pathlib.Path(tmp) / "aux"
     aux.mkdir()
-    tok_lib.save_tokenizer(aux)
-    (aux / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if like is not None:
+      checkpoint.converted.copy_aux_files(api.resolve_path(like), aux)
+    else:
+      tok_lib.save_tokenizer(aux)
+      generation_config = DEFAULT_GENERATION if generation_config is None else generation_config
+    if generation_config is not None:
+      (aux / "generation_config.json").write_text(json.dumps(dict(generation_config), indent=2) + "\n")
     conv = pathlib.Path(tmp) / "converted"
     checkpoint.save_converted(conv, host, hf, src_dir_for_tokenizer=aux, source_dtype=dtype)
     summary = checkpoint.jax2hf(conv, out, dtype=dtype, overwrite=overwrite, replace_unmarked=replace_model)
@@ -116,13 +133,14 @@ def run_generation_config(tc) -> dict[str, Any]:
 
 def export_run(run_dir: os.PathLike, out: os.PathLike, *, step: int | None = None, dtype: str = "float32",
                generation_config: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
-  """Exports a run's checkpoint (latest unless `step`) to `out` (see export_params for `overwrite`)."""
+  """Exports a run's checkpoint (latest unless `step`) to `out` (see export_params for `overwrite`); a run
+  with arch_from (a TD run) in its model's format, with its tokenizer and generation defaults."""
   from train_td import trainer
   tc = trainer.load_train_config(run_dir)
-  if generation_config is None:
+  if generation_config is None and not tc.arch_from:
     generation_config = run_generation_config(tc)
   params, _, s = trainer.restore(run_dir, tc, step)
   res = export_params(params, tc.model_config(), out, dtype=dtype, generation_config=generation_config,
-                      overwrite=overwrite)
+                      overwrite=overwrite, like=tc.arch_from or None)
   res["step"] = s
   return res

@@ -3,8 +3,9 @@
   python -m train_td train RUN_DIR --td DATA[,DATA...] [--base default] [--mdm-weight W] [--cf-weight W]
       [--steps N --batch-size B --lr LR ...]
 
-The model's architecture is the base model's (its config.json); the run starts from the base weights with
-a fresh optimizer. `td_config.json` in the run directory records the TD settings next to train_config.json,
+The model's architecture is the base model's (its config.json, any family dinfer_jax loads: TrainConfig
+.arch_from); the run starts from the base weights with a fresh optimizer, and `export` writes the base's
+format with its tokenizer and generation defaults. `td_config.json` in the run directory records the TD settings next to train_config.json,
 and a resumed run must match both; batches are a pure function of (seed, step) over the loaded shards
 (td_data.TDData) and the step rng is the trainer's, so an interrupted run resumed from a checkpoint ends
 with the same bytes as an uninterrupted one.
@@ -17,12 +18,10 @@ import os
 import pathlib
 from typing import Any
 
-from dinfer_jax.config import ModelConfig
 from train_td import objective, td_data, trainer
 
 TD_CONFIG = "td_config.json"
-ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_experts", "n_experts_per_tok", "expert_ffn_dim",
-               "max_position", "rope_theta")
+ARCH_FIELDS = trainer.ARCH_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,18 +40,6 @@ class TDConfig:
       v = getattr(self, f)
       if not isinstance(v, (int, float)) or v < 0:
         raise ValueError(f"TDConfig.{f} must be a number >= 0, got {v!r}")
-
-
-def train_config_for(mcfg: ModelConfig, **overrides) -> trainer.TrainConfig:
-  """A TrainConfig whose model is `mcfg` (a llada_moe model of train_td's shape), with other fields given."""
-  arch = dict(d_model=mcfg.d_model, n_layers=mcfg.n_layers, n_heads=mcfg.n_heads, n_experts=mcfg.n_experts,
-              n_experts_per_tok=mcfg.n_experts_per_tok, expert_ffn_dim=mcfg.expert_ffn_dim,
-              max_position=mcfg.max_position, rope_theta=mcfg.rope_theta)
-  tc = trainer.TrainConfig(**{**overrides, **arch})
-  got = tc.model_config()
-  if dataclasses.replace(got, moe_impl=mcfg.moe_impl) != mcfg:
-    raise ValueError(f"base model config {mcfg} is not one train_td can train (it builds {got})")
-  return tc
 
 
 def _check_td_config(run_dir: pathlib.Path, tdc: TDConfig) -> None:
@@ -74,7 +61,7 @@ def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, pr
   `mesh`: the sharded step of trainer.train (data parallel + the model's tensor/expert sharding)."""
   import dinfer_jax
   base = dinfer_jax.load(tdc.base)
-  tc = train_config_for(base.config, **train_overrides)
+  tc = trainer.TrainConfig(**train_overrides, arch_from=tdc.base)
   data = td_data.TDData.load(tdc.data, tc.batch_size, tc.seed)  # bad data fails before anything is written
   for task, rows in data.rows.items():
     if rows.tokens.shape[1] > base.config.max_position:

@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from dinfer_jax import sharding
@@ -34,6 +33,9 @@ from train_td import objective
 from train_td import tokenizer as tok_lib
 
 TRAIN_CONFIG = "train_config.json"
+# The TrainConfig fields that shape train_td's own model; a run with `arch_from` has its model's instead.
+ARCH_FIELDS = ("d_model", "n_layers", "n_heads", "n_experts", "n_experts_per_tok", "expert_ffn_dim",
+               "max_position", "rope_theta")
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 
@@ -79,6 +81,10 @@ class TrainConfig:
   # start from another run's latest checkpoint, or from a model ("default" or an HF directory) of this
   # architecture: params only, fresh optimizer and schedule (fine-tuning)
   init_from: str = ""
+  # the architecture of this model (a directory or "default"; TD runs: the base): any family dinfer_jax
+  # loads (LLaDA-MoE-7B-A1B, dense LLaDA, LLaDA2), its config.json in place of the ARCH_FIELDS above
+  # (train_config.json then omits them), and export writes its format and tokenizer
+  arch_from: str = ""
   # bookkeeping
   log_every: int = 10
   ckpt_every: int = 250
@@ -123,7 +129,8 @@ class TrainConfig:
                                arithmetic_op_weights=tuple(self.arithmetic_op_weights))
 
   def to_json(self) -> dict:
-    return dataclasses.asdict(self)
+    d = dataclasses.asdict(self)
+    return {k: v for k, v in d.items() if not (self.arch_from and k in ARCH_FIELDS)}
 
   @classmethod
   def from_json(cls, d: dict) -> "TrainConfig":
@@ -138,6 +145,10 @@ class TrainConfig:
 def model_config_from(tc: TrainConfig) -> ModelConfig:
   if tc.moe_impl not in ("dense", "ragged"):
     raise ValueError(f"moe_impl must be 'dense' or 'ragged', got {tc.moe_impl!r}")
+  if tc.arch_from:
+    from dinfer_jax import api
+    # The loss picks its MoE kernel from tc.moe_impl; the config's is the exported model's business.
+    return dataclasses.replace(api.load_config(tc.arch_from)[0], moe_impl="dense")
   if tc.d_model % tc.n_heads:
     raise ValueError(f"d_model={tc.d_model} must be divisible by n_heads={tc.n_heads}")
   return ModelConfig(

@@ -65,6 +65,9 @@ class Task(abc.ABC):
   """
   name: ClassVar[str]
   test_fraction: ClassVar[float] = 0.1
+  # Prompts in natural language, for the model's own chat template (train_td.prompting); False: the
+  # internal format of train_td's character tokenizer ("348+279"), encoded as <|user|>prompt<|assistant|>.
+  chat: ClassVar[bool] = False
 
   @abc.abstractmethod
   def generate(self, rng: np.random.Generator) -> Problem:
@@ -73,6 +76,10 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def check(self, problem: Problem, answer_text: str) -> bool:
     """Whether `answer_text` (model output, untrusted) solves `problem`."""
+
+  def split_of(self, problem: Problem) -> Split | None:
+    """The split `problem` belongs to (None: neither); by default hashed on its split keys."""
+    return problem_split(self, problem)
 
 
 _REGISTRY: dict[str, Task] = {}
@@ -104,9 +111,15 @@ def register_task(task: Task, *, replace: bool = False) -> Task:
 
 
 def get_task(name: str) -> Task:
-  """The registered task called `name` (ValueError listing the known ones otherwise)."""
+  """The registered task called `name`; a path ending in .jsonl is a task of that file's problems
+  (train_td.tasks.jsonl, registered under the path on first use). ValueError listing the known ones
+  otherwise."""
+  if name not in _REGISTRY and isinstance(name, str) and name.endswith(".jsonl"):
+    from train_td.tasks.jsonl import JsonlTask
+    return register_task(JsonlTask.from_file(name))
   if name not in _REGISTRY:
-    raise ValueError(f"name: unknown task {name!r}; known: {sorted(_REGISTRY)}")
+    raise ValueError(f"name: unknown task {name!r}; known: {sorted(_REGISTRY)} or a FILE.jsonl of your own "
+                     "problems")
   return _REGISTRY[name]
 
 
@@ -153,7 +166,7 @@ def iter_problems(task: Task | str, split: Split, seed: int, *, unique: bool = F
   misses = 0
   while True:
     problem = task.generate(rng)
-    if problem_split(task, problem) != split or (unique and problem.prompt in seen):
+    if task.split_of(problem) != split or (unique and problem.prompt in seen):
       misses += 1
       if misses >= max_attempts:
         found = f" (found {len(seen)} distinct ones; ask for at most that many)" if unique else ""
