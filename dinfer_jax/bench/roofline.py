@@ -306,8 +306,11 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   dbytes = jnp.dtype(dtype).itemsize
   L, Tc, W = grid.block_len, grid.canvas_len, grid.window
   rows = []
-  for kind, (f, args) in forward_programs(cfg, gcfg, lay, static, abstract_dtype=dtype).items():
-    compiled, compile_s = target.compile(f, aparams, *target.abstract(args))
+  for kind, (f, args) in forward_programs(cfg, gcfg, lay, static, abstract_dtype=dtype, cache_out=True).items():
+    # A cached forward takes the cache donated and returns it, as the engine's loop carries it: its K/V
+    # writes are then in place (argument 2 of f(params, inputs, cache, ...)).
+    donate = (2,) if kind.startswith("cached") else ()
+    compiled, compile_s = target.compile(f, aparams, *target.abstract(args), donate=donate)
     mc = ModuleCost(compiled_text(compiled))
     cost = mc.total()
     tokens = Tc if kind == "full" else (int(kind.split("@")[1]) if "@" in kind else W)

@@ -123,13 +123,16 @@ def cached_kind(windows: tuple[int, ...], width: int) -> str:
 
 
 def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, table=None,
-                     abstract_dtype=None) -> dict[str, tuple[Callable[..., Any], tuple]]:
+                     abstract_dtype=None, cache_out: bool = False) -> dict[str, tuple[Callable[..., Any], tuple]]:
   """Per kind of forward the engine runs for this layout: (f, args), f(params, *args) a pure forward of
   exactly the shape the engine's program uses (same batch, canvas, window, logits slice, masks).
 
   table: the embedding table (smoothing feeds embeddings; only its shape/dtype is used when abstract).
   abstract_dtype: None builds concrete args; a dtype builds jax.ShapeDtypeStruct args (the cache in that
-  dtype) for ahead-of-time compiles without materialising the [layers, B, S, K, H] cache."""
+  dtype) for ahead-of-time compiles without materialising the [layers, B, S, K, H] cache.
+  cache_out: the cached forwards also return the cache (argument 2; prefix/dual: restored in place, as the
+  engine's loop carries it), for a compile that donates it (the roofline bench); without it they return
+  only the logits, and XLA copies the non-donated cache before writing into it (CPU timings)."""
   grid, mode = lay.grid, static["mode"]
   L, C, W, Tc = grid.block_len, grid.first_block, grid.window, grid.canvas_len
   Bsz = grid.batch
@@ -162,17 +165,21 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, 
     c0 = C if mode == "block_diffusion" else int(min(max(C - gcfg.prefix_look, 0), Tc - W))
     if mode == "prefix":
       c0 = C
-    shape = (mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim)
+    # The engine's layout: one buffer per layer.
     if abstract_dtype is not None:
-      cache = KVCache(k=jax.ShapeDtypeStruct(shape, dt), v=jax.ShapeDtypeStruct(shape, dt))
+      layers = tuple(jax.ShapeDtypeStruct((Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim), dt)
+                     for _ in range(mcfg.n_layers))
+      cache = KVCache(k=layers, v=layers)
     else:
-      cache = KVCache.zeros(*shape, dt)
+      cache = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, dt, per_layer=True)
     write = jnp.ones((Bsz, W), bool)
     lg = {} if smoothing else {"logits_len": L}
+    keep = mode != "block_diffusion"
 
     def cached_fwd(p, inp, kv, ps, m, wm, c, s):
-      return forward(p, mcfg, positions=ps, mask=m, cache=kv, cache_start=c, write_mask=wm, logits_start=s,
-                     **inp, **lg).logits
+      out = forward(p, mcfg, positions=ps, mask=m, cache=kv, cache_start=c, write_mask=wm, logits_start=s,
+                    keep_cache=keep, **inp, **lg)
+      return (out.logits, out.kv) if cache_out else out.logits
     progs["cached"] = (cached_fwd, (inputs(canvas[:, c0:c0 + W]), cache, pos[:, c0:c0 + W], valid, write,
                                     jnp.int32(c0), jnp.int32(C - c0)))
     # The prefix cache's narrower windows (grid.windows), each at the last block it serves.

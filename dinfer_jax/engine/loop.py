@@ -51,8 +51,8 @@ def _constrain(st: dict[str, Any]) -> dict[str, Any]:
   axes = {"canvas": CANVAS_AXES, "commit": CANVAS_AXES, "emb": EMBED_AXES}
   out = {}
   for k, v in st.items():
-    if k == "cache":
-      out[k] = KVCache(k=shard(v.k, CACHE_AXES), v=shard(v.v, CACHE_AXES))
+    if k == "cache":  # one buffer per layer
+      out[k] = jax.tree_util.tree_map(lambda a: shard(a, CACHE_AXES[1:]), v)
     elif k == "dec":
       out[k] = shard_rows(v)
     elif k in axes:
@@ -112,7 +112,9 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
   if smoothing:
     st["emb"] = jnp.take(table, canvas, axis=0)
   if cached_mode:
-    st["cache"] = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, table.dtype)
+    # One buffer per layer: cached forwards update them in place (transformer.forward keep_cache).
+    st["cache"] = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, table.dtype,
+                                per_layer=True)
 
   st = _constrain(st)
   blk_of = col // L  # canvas blocks; block diffusion keeps pads whole blocks, so these are position blocks
@@ -120,8 +122,8 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     # Prefill the prompt's blocks with the block-causal mask (dInfer's BlockDiffusionRunner.prefill).
     P = grid.prefill_len
     bc = (blk_of[None, :P, None] >= blk_of[None, None, :P]) & valid[:, None, :P]
-    out = forward(params, mcfg, canvas[:, :P], positions=positions[:, :P], mask=bc)
-    st["cache"] = KVCache(k=st["cache"].k.at[:, :, :P].set(out.kv.k), v=st["cache"].v.at[:, :, :P].set(out.kv.v))
+    out = forward(params, mcfg, canvas[:, :P], positions=positions[:, :P], mask=bc, kv_layers=True)
+    st["cache"] = jax.tree_util.tree_map(lambda c, n: c.at[:, :P].set(n.astype(c.dtype)), st["cache"], out.kv)
     st["nfe"] = st["nfe"] + 1
     st["n"] = st["n"] + 1
 
@@ -134,12 +136,15 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     """Whole-canvas forward; refresh rows take its K/V into their cache."""
     inp = {"embeds": st["emb"]} if smoothing else {"tokens": st["canvas"]}
     lg = {} if smoothing else {"logits_start": s, "logits_len": L}
-    out = forward(params, mcfg, positions=positions, mask=full_mask, **inp, **lg)
+    out = forward(params, mcfg, positions=positions, mask=full_mask, kv_layers=cached_mode, **inp, **lg)
     new_cache = cache_lib.select_rows(rows_refresh, out.kv, st["cache"]) if cached_mode else None
     return out.logits, new_cache
 
   def window_forward(st, s, c0, width, key_mask, write):
-    """Forward of the canvas window [c0, c0 + width) over the cache; fresh K/V where `write`."""
+    """Forward of the canvas window [c0, c0 + width) over the cache; fresh K/V where `write`. Prefix and
+    dual caches keep their block-entry K/V: the forward writes the window's K/V into the cache buffers in
+    place and restores them (out.kv is the cache, to carry on instead of st["cache"]); block diffusion gets
+    the attended K/V to persist."""
     if smoothing:
       inp = {"embeds": jax.lax.dynamic_slice_in_dim(st["emb"], c0, width, axis=1)}
       lg = {}
@@ -147,32 +152,31 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       inp = {"tokens": jax.lax.dynamic_slice_in_dim(st["canvas"], c0, width, axis=1)}
       lg = {"logits_start": s - c0, "logits_len": L}
     return forward(params, mcfg, positions=jax.lax.dynamic_slice_in_dim(positions, c0, width, axis=1),
-                   mask=key_mask, cache=st["cache"], cache_start=c0, write_mask=write, **inp, **lg)
+                   mask=key_mask, cache=st["cache"], cache_start=c0, write_mask=write,
+                   keep_cache=mode != "block_diffusion", **inp, **lg)
 
-  def prefix_forward(st, s, win):
+  windowed = mode == "prefix" and len(grid.windows) > 1
+
+  def prefix_forward(st, s, width):
     """The prefix cache's cached forward over the narrowest bucketed window that holds the block and
-    everything after it (grid.windows), not the whole generation every time: one lax.switch branch per
-    width. With smoothing the window's logits go back to the widest window's coordinates (it starts at C),
-    where the rest of the step expects them."""
-    def at(width):
-      def branch(st):
-        c0 = iteration.prefix_window_start(s, width, Tc)
-        write = jnp.broadcast_to((c0 + jnp.arange(width) >= s)[None, :], (Bsz, width))
-        logits = window_forward(st, s, c0, width, valid, write).logits
-        if smoothing:
-          logits = jax.lax.dynamic_update_slice_in_dim(
-              jnp.zeros((Bsz, W, mcfg.vocab_size), logits.dtype), logits, c0 - C, axis=1)
-        return logits
-      return branch
-    logits = jax.lax.switch(win, [at(w) for w in grid.windows], st)
+    everything after it (grid.windows; the iteration's switch has one branch per width), not the whole
+    generation every time. With smoothing the window's logits go back to the widest window's coordinates
+    (it starts at C), where the rest of the step expects them."""
+    c0 = iteration.prefix_window_start(s, width, Tc)
+    write = jnp.broadcast_to((c0 + jnp.arange(width) >= s)[None, :], (Bsz, width))
+    out = window_forward(st, s, c0, width, valid, write)
+    logits = out.logits
+    if smoothing:
+      logits = jax.lax.dynamic_update_slice_in_dim(
+          jnp.zeros((Bsz, W, mcfg.vocab_size), logits.dtype), logits, c0 - C, axis=1)
     write = jnp.broadcast_to((C + jnp.arange(W) >= s)[None, :], (Bsz, W))
-    return logits, st["cache"], jnp.asarray(C, jnp.int32), write
+    return logits, out.kv, jnp.asarray(C, jnp.int32), write
 
   def cached_forward(st, s, rows_persist, win):
-    """Window forward over the cache; block diffusion persists the fresh K/V of its rows. win: the block's
-    prefix window (index into grid.windows)."""
-    if mode == "prefix" and len(grid.windows) > 1:
-      return prefix_forward(st, s, win)
+    """Window forward over the cache; block diffusion persists the fresh K/V of its rows. win: the prefix
+    window's index into grid.windows (static: one switch branch per width)."""
+    if windowed:
+      return prefix_forward(st, s, grid.windows[win])
     if mode == "block_diffusion":
       c0, lo, hi = s, s, s + L
       key_mask = valid & (col[None, :] < s + L)  # the cache holds exactly the positions before the block end
@@ -182,10 +186,9 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     wcol = c0 + jnp.arange(W)
     write = jnp.broadcast_to(((wcol >= lo) & (wcol < hi))[None, :], (Bsz, W))
     out = window_forward(st, s, c0, W, key_mask, write)
-    new_cache = st["cache"]
     if mode == "block_diffusion":
-      new_cache = cache_lib.select_rows(rows_persist, out.kv, st["cache"])
-    return out.logits, new_cache, c0, write
+      return out.logits, cache_lib.select_rows(rows_persist, out.kv, st["cache"]), c0, write
+    return out.logits, out.kv, c0, write  # the cache, restored in place
 
   def block_body(st):
     s = C + st["block"] * L
@@ -224,7 +227,11 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       win_shape = (Bsz, W if smoothing else L, V)
       can_full, can_cached = mode != "block_diffusion", cached_mode
 
-      def run_forwards(do_full: bool, do_cached: bool):
+      def run_forwards(do_full: bool, cached: int | None):
+        """One branch of the iteration's switch: the full forward or not, and the cached one (with the
+        prefix window's index into grid.windows) or not (None)."""
+        do_cached = cached is not None
+
         def branch(b):
           if do_full:
             fl, cache = full_forward(b, s, refresh_rows)
@@ -235,7 +242,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
           # The cached forward reads the cache as refreshed by this iteration's full forward (a refreshing
           # row is never cached in the same iteration, so that read only matters for other rows: unchanged).
           if do_cached:
-            cl, cache, c0, write = cached_forward(dict(b, cache=cache), s, use_cached, win)
+            cl, cache, c0, write = cached_forward(dict(b, cache=cache), s, use_cached, cached)
           else:
             c0, _, _ = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W) \
                 if mode != "block_diffusion" else (s, s, s + L)
@@ -243,17 +250,19 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
           return fl, cache, cl, c0, write
         return branch
 
-      # One conditional per iteration, not one per forward kind: on GPU each conditional's predicate is
-      # read by the host, so two of them cost two syncs per step. Branch 2*full + cached; in practice every
-      # active row takes one of the two forwards, so (neither) is never taken.
+      # One conditional per iteration, not one per forward kind (on GPU each conditional's predicate is
+      # read by the host, so two of them cost two syncs per step) and not nested: XLA copies the cache
+      # buffers that a nested conditional's branches update in place. Branch full * len(cacheds) + cached,
+      # cached = 0 (none) or 1 + the prefix window's index; in practice every active row takes one of the
+      # forwards, so (neither) is never taken.
       fulls = (False, True) if can_full else (False,)
-      cacheds = (False, True) if can_cached else (False,)
+      cacheds = (None,) + (tuple(range(len(grid.windows))) if windowed else (0,)) if can_cached else (None,)
       branches = [run_forwards(f, c) for f in fulls for c in cacheds]
       idx = jnp.zeros((), jnp.int32)
       if can_full:
         idx = idx + use_full.any().astype(jnp.int32) * len(cacheds)
       if can_cached:
-        idx = idx + use_cached.any().astype(jnp.int32)
+        idx = idx + jnp.where(use_cached.any(), 1 + (win if windowed else 0), 0).astype(jnp.int32)
       outs = jax.lax.switch(idx, branches, b)
       if can_cached:
         full_logits, _, cached_logits, c0, write = outs

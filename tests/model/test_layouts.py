@@ -48,6 +48,60 @@ def test_layer_loops_agree(model, cached):
     np.testing.assert_allclose(out.kv.v, scan.kv.v, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("write_rows", [False, True])
+def test_per_layer_cache_in_place_forward_equals_the_stacked_one(model, write_rows):
+  """keep_cache: the forward writes its K/V into the per-layer buffers, attends and restores them: the same
+  logits as the stacked cache's copy-and-update, the cache back value for value, the fresh K/V as kv_layers."""
+  cfg, params = model
+  B, T, S = 2, 8, 24
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, 500)
+  kk = jax.random.normal(jax.random.PRNGKey(1), (cfg.n_layers, B, S, cfg.n_kv_heads, cfg.head_dim))
+  stacked = KVCache(kk, -kk)
+  layers = KVCache(tuple(kk), tuple(-kk))
+  assert layers.per_layer and layers.length == S == stacked.length
+  kw = dict(cache_start=jnp.int32(5), positions=jnp.broadcast_to(jnp.arange(5, 5 + T), (B, T)))
+  if write_rows:  # the engine's fixed-width windows: some inputs keep the cached K/V
+    kw["write_mask"] = jnp.arange(T)[None, :] < jnp.array([[3], [8]])
+  up = params_lib.unstack_layers(params)
+  ref = forward(up, cfg, tokens, cache=stacked, **kw)
+  kept = jax.jit(lambda c: forward(up, cfg, tokens, cache=c, keep_cache=True, **kw))(layers)
+  fresh = forward(up, cfg, tokens, cache=layers, **kw)
+  close = dict(rtol=1e-5, atol=1e-5)  # one program jitted, the other not: float noise only
+  np.testing.assert_allclose(kept.logits, ref.logits, **close)
+  np.testing.assert_array_equal(fresh.logits, ref.logits)
+  np.testing.assert_array_equal(np.stack(kept.kv.k), kk)  # restored exactly
+  np.testing.assert_array_equal(np.stack(kept.kv.v), -kk)
+  np.testing.assert_array_equal(fresh.kv.stacked().k, ref.kv.k)
+  np.testing.assert_array_equal(fresh.kv.stacked().v, ref.kv.v)
+  full = forward(up, cfg, tokens, kv_layers=True)
+  np.testing.assert_array_equal(full.kv.stacked().k, forward(up, cfg, tokens).kv.k)
+  with pytest.raises(ValueError, match="keep_cache needs a per-layer cache"):
+    forward(up, cfg, tokens, cache=stacked, keep_cache=True, **kw)
+
+
+def test_engine_program_never_copies_a_cache_buffer(model):
+  """The dual and prefix caches' cached forwards write into the loop-carried per-layer buffers in place:
+  the compiled generate program holds no copy of a [B, S, K, H] cache buffer (before: one per layer and
+  cached forward, the whole cache moved to attend to one window). In bf16, the production dtype (the CPU
+  compile of an fp32 model still copies them; the GPU one of bf16 does not: roofline bench)."""
+  import re
+  from dinfer_jax.engine import loop
+  cfg, params = model
+  params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
+  for cache in ("dual", "prefix"):
+    gcfg = GenerationConfig(gen_length=32, block_length=8, cache=cache, threshold=0.9)
+    lay, static = gen_lib.prepare(cfg, [[3, 17, 42, 99, 7]], gcfg)
+    Bsz, Tc = lay.canvas.shape
+    args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
+    hlo = jax.jit(loop.run, static_argnames=tuple(static)).lower(
+        gen_lib.inference_params(params), *args, **static).compile().as_text()
+    buf = rf"\[{Bsz},{Tc},{cfg.n_kv_heads},{cfg.head_dim}\]"
+    # (copies of a broadcast are the zero-initialised buffers, made once before the loop)
+    copies = [l for l in hlo.splitlines() if re.search(rf"= \w+{buf}(\{{[^}}]*\}})? copy\((?!%\w*broadcast)", l)]
+    assert not copies, (cache, copies[:3])
+    assert re.search(rf"= \w+{buf}", hlo)  # the pattern does match the cache buffers
+
+
 def test_batch_bucket():
   assert [gen_lib.bucket_rows(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33)] == [1, 2, 4, 8, 8, 16, 16, 32, 48]
 
