@@ -122,16 +122,19 @@ def _question(prompt: str) -> str:
 
 
 @pytest.mark.skipif(not (api.DEFAULT_MODEL_DIR / "config.json").exists(), reason="no default model")
-def test_jsonl_math_task_through_the_chat_template_matches_the_builtin_task(tmp_path):
+def test_jsonl_math_task_through_the_chat_template_matches_the_builtin_task(tmp_path, capsys):
   """The same arithmetic problems, once as the built-in task (internal prompt format) and once as a JSONL
   file of natural-language questions through the model's chat template: same prompt ids, same verdicts."""
   problems = tasks_lib.train_problems("arithmetic", 24, seed=5)
+  held = tasks_lib.test_problems("arithmetic", 4, seed=0)
   recs = [{"prompt": _question(p.prompt), "answer": p.answer, "split": "train", "id": i}
           for i, p in enumerate(problems)]
+  recs += [{"prompt": _question(p.prompt), "answer": p.answer, "split": "test", "id": f"t{i}"}
+           for i, p in enumerate(held)]
   path = _write(tmp_path / "arith.jsonl", recs)
   task = tasks_lib.get_task(path)
   model = dinfer_jax.load("default")
-  jprobs = [task.problem(r) for r in task.records]
+  jprobs = [task.problem(r) for r in task.records[:24]]
   assert prompting.prompt_ids(model, task, jprobs) == prompting.prompt_ids(
       model, tasks_lib.get_task("arithmetic"), problems)
   gcfg = evaluate.task_generation_config(type("A", (), {})(), model.path, path, model.tokenizer, split="train")
@@ -151,6 +154,14 @@ def test_jsonl_math_task_through_the_chat_template_matches_the_builtin_task(tmp_
   import pyarrow.parquet as pq
   schema = pq.read_schema(next((tmp_path / "data").glob("part-*.parquet")))
   assert schema.field("tokens").type.value_type == "int32"
+
+  # `eval` on the file's held-out problems scores what the built-in task scores on the same problems.
+  from train_td import __main__ as td_main
+  assert td_main.main(["eval", "--model", "default", "--task", path, "--n", "4", "--batch", "4", "--json"]) == 0
+  got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  want = evaluate.evaluate(model, "arithmetic", 4, evaluate.task_generation_config(
+      type("A", (), {})(), model.path, "arithmetic"), problems=held, batch=4, warmup=False)
+  assert got["n"] == 4 and got["correct"] == want["correct"] and got["mean_nfe"] == want["mean_nfe"]
 
 
 # ------------------------------------------------------- TD on an architecture train_td does not build
