@@ -161,6 +161,7 @@ def test_bench_default_model(tmp_path):
   assert d["prompts"] == len(throughput.TEXT_PROMPTS) and d["nfe"] > 0 and d["per_seq_tps_mean"] > 0
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: -m slow
 def test_bench_preset_random_model(tmp_path):
   """--preset: a named shape with random weights; its gen/block length unless flags say otherwise."""
   out = tmp_path / "p.json"

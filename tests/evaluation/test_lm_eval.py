@@ -44,6 +44,7 @@ def test_model_args_become_generation_knobs():
     DinferJaxLM(pretrained="default", thresh=0.5)
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: -m slow
 def test_generate_until_batches_and_honours_until_and_max_gen_toks(lm):
   qs = ["What is 348+279?", "f(0..5)=2,5,8,11,14,17", "12 x 13", "f(0..5)=1,3,5,7,9,11", "905-417"]
   ctx = [_chat(lm, q) for q in qs]

@@ -95,6 +95,7 @@ def test_parallel_flags_fail_with_one_line(argv, msg, capsys):
   assert err.startswith("error: ") and msg in err and "\n" not in err, err
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: -m slow
 def test_collect_on_two_processes_equals_one(tmp_path):
   from train_td import __main__ as td_main
   from train_td import td_data

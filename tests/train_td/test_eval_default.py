@@ -76,6 +76,7 @@ def test_heldout_long_addition_accuracy(model):
   assert res["mean_tpf"] > 2.0  # 25 characters in far fewer forwards than one per token
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: -m slow
 def test_curve_writes_table_and_plot(tmp_path):
   md, png = tmp_path / "curve.md", tmp_path / "curve.png"
   assert curve.main(["--task", "arithmetic,program", "--n", "4", "--thresholds", "0.9", "--decoders", "threshold",

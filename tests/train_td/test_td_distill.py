@@ -257,6 +257,7 @@ def test_td_batches_and_base_init(td_data_dir, tiny_model_dir, tmp_path):
                    tmp_path / "r0", progress=False, **{**KW, "steps": 1})
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: -m slow
 def test_td_run_killed_and_resumed_ends_byte_identical(td_data_dir, tiny_model_dir, tmp_path):
   tdc = td_train.TDConfig(data=str(td_data_dir), base=str(tiny_model_dir), mdm_weight=0.5, cf_weight=0.5)
   run = tmp_path / "killed"

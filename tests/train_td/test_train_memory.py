@@ -15,6 +15,7 @@ def _peak(mesh, **opts):
   return memory.memory(memory.compile_td_step(cfg, mesh, batch=8, seq=256, target="cpu", **opts))
 
 
+@pytest.mark.slow  # over 20 s on 2 cores: -m slow
 def test_memory_follows_the_options_and_the_mesh():
   one = make_mesh(devices=jax.devices()[:1])
   plain = _peak(one, **memory.OPTIONS["plain"])
