@@ -5,6 +5,9 @@
   export RUN_DIR --out DIR [--overwrite] [--dtype float32|bfloat16]
   eval --model PATH[,PATH] --task NAME[,NAME] --n N --seed S [GenerationConfig flags] [--json]
   collect --model PATH --task NAME --n N --out DIR [--batch B] [--seed S] [GenerationConfig flags]
+
+A task NAME is a built-in task (arithmetic, program, sort, add, split) or a FILE.jsonl of your own math or
+code problems (train_td/tasks/jsonl.py); `--base` may be any model dinfer_jax loads (train_td/README.md).
   distill --base default --out dinfer_jax/assets/default-td --work DIR [--tasks ...] [--n ...] [--steps ...]
 
 Resuming (`train RUN_DIR` again, or with --resume) takes every setting from RUN_DIR/train_config.json;
