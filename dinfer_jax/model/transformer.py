@@ -23,7 +23,7 @@ from dinfer_jax.sharding import shard
 
 class ForwardOut(NamedTuple):
   logits: jax.Array  # [B, T', V] fp32
-  kv: KVCache  # [n_layers, B, S, K, H]: the keys/values this forward attended to
+  kv: KVCache  # stacked [n_layers, B, S, K, H] or per layer: the K/V attended to (keep_cache: the cache)
 
 
 def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_start, write_mask, moe_impl,
@@ -75,7 +75,8 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_
   else:
     y = swiglu(h, lp["mlp"]["gate"], lp["mlp"]["up"], lp["mlp"]["down"])
   x = shard(x + y, ("act_batch", "act_len", "act_embed"))
-  return x, (keys.astype(dt), vals.astype(dt)) if kv_in is None or not restore else (keys, vals)
+  # Restored buffers go back as the cache holds them; otherwise the K/V attended to, in the activation dtype.
+  return x, (keys, vals) if restore else (keys.astype(dt), vals.astype(dt))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
@@ -131,9 +132,6 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
   per_layer = kv_layers or (cache is not None and cache.per_layer)
   if keep_cache and (cache is None or not cache.per_layer):
     raise ValueError("forward: keep_cache needs a per-layer cache (KVCache.zeros(..., per_layer=True))")
-  if per_layer and not unroll_layers and not isinstance(params["moe_layers" if cfg.n_moe_layers else
-                                                               "dense_layers"], (list, tuple)):
-    raise ValueError("forward: per-layer K/V need the unrolled layers (unroll_layers=True)")
   amask = attention_mask(mask, T)
   x = shard(x, ("act_batch", "act_len", "act_embed"))
 
@@ -165,6 +163,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
         ks.append(k if per_layer else k[None])
         vs.append(v if per_layer else v[None])
     else:
+      if per_layer:
+        raise ValueError("forward: per-layer K/V need the unrolled layers (unroll_layers=True)")
       if kv_in is None:
         x, (k, v) = jax.lax.scan(lambda c, lp: body(c, lp, None), x, params[name])
       else:

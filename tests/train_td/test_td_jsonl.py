@@ -175,11 +175,11 @@ def test_td_run_and_export_on_a_dense_llada_base(tmp_path):
   base = dinfer_jax.load(base_dir)
   assert base.config.family == "llada"
 
-  class Any(tasks_lib.ArithmeticTask):
+  class AcceptAll(tasks_lib.ArithmeticTask):
     name = "td-any-answer"
     def check(self, problem, answer_text):  # a random model's trajectories, all kept
       return True
-  tasks_lib.register_task(Any())
+  tasks_lib.register_task(AcceptAll())
   gcfg = GenerationConfig(gen_length=8, block_length=4, threshold=0.5, cache="dual", prompt_bucket=16)
   cc = collect_lib.CollectConfig(model=str(base_dir), task="td-any-answer", n=8, batch=8,
                                  generation=tuple(sorted(dataclasses.asdict(gcfg).items())))
