@@ -8,25 +8,37 @@ importable by a plain system interpreter (the non-root tests run it as `nobody`)
 Process tree of one run:
 
   caller ─ setpriv --pdeathsig KILL unshare --net --mount --pid --ipc --uts --fork --kill-child ...
-             └─ launcher (this file, `--launch`; trusted; pid 1 of the new pid namespace)
+             └─ launcher (this file, `--launch`; trusted; pid 1 of the new pid namespace; builds the
+                  program's root and pivots into it)
                   └─ sandboxed interpreter running main.py (own process group, rlimits set,
                      privileges dropped)
 
 Isolation modes (`available_modes()` lists what works on this machine; `run_python(mode=None)` picks
-the strongest):
+the strongest). Both give the same guarantees; they differ in who may start them:
 
-* ``"namespaces"`` (caller is root and `unshare` works). New network namespace (only a downed loopback,
-  so no connection can leave it); new mount namespace in which every mount is remounted read-only and
-  nosuid, except the working directory, which is a fresh size-limited tmpfs that vanishes with the
-  namespace; new pid namespace (the program sees only its own processes, and all of them die when the
-  launcher exits); new IPC/UTS namespaces. The program runs as a random unprivileged uid/gid that
-  nothing else uses, with no supplementary groups and no_new_privs (setuid binaries cannot regain
-  root). The random uid matters: root is exempt from RLIMIT_NPROC, and RLIMIT_NPROC counts *all*
-  processes of a uid, so with a uid of its own the limit counts exactly this run's processes.
-* ``"userns"`` (caller is not root, unprivileged user namespaces allowed). The same namespaces, made
-  inside a user namespace. Outside, the program keeps the caller's uid: it can *read* what the caller
-  can read, except the home directory, which is covered by an empty read-only tmpfs when an interpreter
-  outside it exists. All capabilities are dropped before exec; RLIMIT_NPROC counts per user namespace.
+* ``"namespaces"`` (caller is root and `unshare` works): the namespaces below are made directly, and the
+  program runs as a random unprivileged uid/gid that nothing else uses, with no supplementary groups.
+  The random uid matters: root is exempt from RLIMIT_NPROC, and RLIMIT_NPROC counts *all* processes of
+  a uid, so with a uid of its own the limit counts exactly this run's processes.
+* ``"userns"`` (caller is not root, unprivileged user namespaces allowed): the same namespaces, made
+  inside a user namespace; the program is root there with every capability dropped and
+  SECBIT_NOROOT locked. An unprivileged caller cannot drop its supplementary groups inside a user
+  namespace (setgroups must be denied before the gid map is written), so a caller that has any is
+  refused this mode with a one-line error rather than run weaker.
+
+What the program gets, in every mode (the threat model and the tested escapes: train_td/README.md):
+- its own root (pivot_root into a fresh tmpfs): the interpreter and its stdlib and the shared libraries
+  it links, all read-only; /dev/null, zero, random, urandom; /tmp, an empty size-limited writable tmpfs
+  that is its working directory. No host path exists for it: not the repository, the caller's home or
+  files, the host's /tmp, /run, /dev/shm, /proc or /sys, so no filesystem Unix socket or other
+  path-named IPC can be reached whatever its uid could open;
+- new network (only a downed loopback: no connection leaves it, and abstract Unix sockets are per
+  network namespace), pid (it sees only its own processes, and all die with the launcher), IPC and UTS
+  namespaces;
+- no_new_privs (setuid binaries cannot regain privileges) and a seccomp filter that refuses new
+  namespaces (unshare, setns, clone with CLONE_NEW* flags; clone3 says ENOSYS so libc falls back to
+  clone), mount calls, pivot_root/chroot, kernel keyrings, bpf, perf, userfaultfd, io_uring, ptrace and
+  cross-process memory access (x86_64 and aarch64; elsewhere no mode is offered).
 There is no weaker fallback. An earlier "rlimits" mode (no namespaces, an in-process audit hook as the
 guard) did not hold: the hook checked paths but not `dir_fd`, so `os.open("/proc")` then
 `os.open(f"{pid}/environ", dir_fd=fd)` read the caller's environment, and writes to /tmp and /dev/shm
@@ -40,9 +52,8 @@ left it); an output cap (the run is killed once stdout+stderr exceed it); an
 empty environment (``env={}``; the interpreter runs with ``-I -S -B``); a fresh temporary working
 directory, deleted afterwards. If the caller dies mid-run, the run still ends: the launcher (or unshare)
 gets a parent-death signal, and the launcher has its own wall-clock alarm as a backstop (wall + 3 s).
-Not enforced: CPU share/niceness and page-cache memory (no cgroup is used), and in ``"userns"`` mode
-reading files the caller itself can read (outside its home directory). If the caller is SIGKILLed,
-its (empty) working directory is left behind in the temp dir.
+Not enforced: CPU share/niceness and page-cache memory (no cgroup is used). If the caller is SIGKILLed,
+the (empty) host directory behind the run's root is left behind in the temp dir.
 """
 from __future__ import annotations
 
@@ -59,6 +70,7 @@ _MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND = 32, 1024, 2048, 4096
 _MS_REC, _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 16384, 1 << 18, 1 << 21, 1 << 24
 _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 24, 28, 38, 47
 _PR_CAP_AMBIENT_CLEAR_ALL, _PR_SET_PDEATHSIG = 4, 1
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, _MNT_DETACH = 22, 2, 2
 _SECBIT_NOROOT, _SECBIT_NOROOT_LOCKED = 1, 2
 # Used when the random sandbox uid cannot be set (e.g. root in a container with a 16-bit uid map).
 _FALLBACK_UID = 65534
@@ -75,10 +87,14 @@ def _launcher(cfg: dict) -> int:
     os.write(status_fd, f"{kind} {value}".replace("\n", " ").encode()[:4000] + b"\n")
 
   try:
+    import resource, struct  # noqa: F401 - before the root changes: the host's stdlib is gone after
     with os.fdopen(cfg["code_fd"], "rb") as f:
       code = f.read()
-    _setup_mounts(cfg)
-    fd = os.open(os.path.join(cfg["workdir"], "main.py"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+      cfg["last_cap"] = int(f.read())
+    cfg["seccomp"] = _seccomp_program(cfg["arch"])
+    _setup_root(cfg)
+    fd = os.open("/tmp/main.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     with os.fdopen(fd, "wb") as f:
       f.write(code)
   except Exception as e:  # noqa: BLE001 - reported to the caller as a SandboxError
@@ -134,6 +150,10 @@ def _launcher(cfg: dict) -> int:
   # The launcher's exit ends the pid namespace: the kernel kills and reaps
   # whatever is left.
   return 0
+
+
+def _is_under(path: str, root: str) -> bool:
+  return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _killpg(pgid: int) -> None:
@@ -207,41 +227,140 @@ def _read_mountinfo() -> list:
   return out
 
 
-def _setup_mounts(cfg: dict) -> None:
-  """Working directory = fresh tmpfs; every other mount read-only and nosuid (in this namespace only)."""
+def _source_flags(path: str, mounts: list) -> int:
+  """Remount flags that keep what the mount holding `path` locks (nodev, noexec, atime: inside a user
+  namespace a bind-remount must pass them back unchanged, or the kernel refuses), plus read-only."""
+  point, opts = max((m for m in mounts if _is_under(path, m[0])), key=lambda m: len(m[0]))
+  flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+  flags |= _MS_NOEXEC if "noexec" in opts else 0
+  flags |= _MS_NODIRATIME if "nodiratime" in opts else 0
+  flags |= _MS_NOATIME if "noatime" in opts else _MS_RELATIME if "relatime" in opts else _MS_STRICTATIME
+  return flags
+
+
+def _setup_root(cfg: dict) -> None:
+  """Builds the program's whole filesystem and moves into it (pivot_root), in this mount namespace only.
+
+  The new root is an empty tmpfs holding: read-only binds of the interpreter, its standard library and
+  the shared libraries it links (`cfg["binds"]`, each at its own path), the symlinks between them
+  (/lib -> usr/lib, ...), /dev/null, zero, random and urandom, and /tmp, an empty size-limited writable
+  tmpfs (the working directory). The host's old root is then detached: no host path (repository, home,
+  /tmp, /run and their sockets, /proc) exists for the program, whatever its uid could open.
+  """
   lim = cfg["limits"]
-  workdir = cfg["workdir"]
+  root = cfg["workdir"]
+  mounts = _read_mountinfo()
+  os.umask(0o022)
   _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing done below propagates back to the host
-  owner = f",uid={cfg['uid']},gid={cfg['uid']}" if cfg["uid"] is not None else ""
-  _mount("sandbox", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV,
-         f"size={lim['disk_bytes']},nr_inodes=4096,mode=0700{owner}")
-  for path in cfg["hide"]:
-    _mount("hidden", path, "tmpfs", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=0555")
-  for point, opts in _read_mountinfo():
-    if point == workdir:
-      continue
-    # A bind-remount replaces the per-mount flags, so keep the ones already set (inside a user
-    # namespace the locked atime flags must even be passed back unchanged, or the kernel refuses).
-    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID
-    flags |= (_MS_NODEV if "nodev" in opts else 0) | (_MS_NOEXEC if "noexec" in opts else 0)
-    flags |= _MS_NODIRATIME if "nodiratime" in opts else 0
-    flags |= _MS_NOATIME if "noatime" in opts else _MS_RELATIME if "relatime" in opts else _MS_STRICTATIME
+  _mount("sandbox-root", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+
+  def place(path, is_dir):
+    target = root + path
+    os.makedirs(target if is_dir else os.path.dirname(target), mode=0o755, exist_ok=True)
+    if not is_dir:
+      os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+    return target
+
+  for path in cfg["binds"]:
+    target = place(path, os.path.isdir(path))
     try:
-      _mount(None, point, None, flags)
-    except OSError:
-      if "ro" in opts:
-        continue  # already read-only (e.g. a locked mount we may not touch)
-      if not os.path.exists(point):
-        continue  # a mount point hidden under another mount: unreachable from the sandbox
-      raise
+      _mount(path, target, None, _MS_BIND)
+    except OSError:  # a user namespace may refuse a non-recursive bind over locked submounts
+      _mount(path, target, None, _MS_BIND | _MS_REC)
+    _mount(None, target, None, _source_flags(path, mounts))
+  for link, dest in cfg["links"]:
+    os.makedirs(os.path.dirname(root + link), mode=0o755, exist_ok=True)
+    os.symlink(dest, root + link)
+  for dev in ("null", "zero", "random", "urandom"):
+    _mount(f"/dev/{dev}", place(f"/dev/{dev}", False), None, _MS_BIND)
+  owner = f",uid={cfg['uid']},gid={cfg['uid']}" if cfg["uid"] is not None else ""
+  _mount("sandbox-tmp", place("/tmp", True), "tmpfs", _MS_NOSUID | _MS_NODEV,
+         f"size={lim['disk_bytes']},nr_inodes=4096,mode=0700{owner}")
+  libc, _ = _libc()
+  os.chdir(root)
+  if libc.syscall(_SYS_PIVOT_ROOT[cfg["arch"]], b".", b".") != 0:
+    raise OSError(ctypes_errno(), "pivot_root")
+  if libc.umount2(b".", _MNT_DETACH) != 0:  # the old root, stacked under the new one
+    raise OSError(ctypes_errno(), "umount old root")
+  os.chdir("/")
+  _mount(None, "/", None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+
+
+def ctypes_errno() -> int:
+  _, ctypes = _libc()
+  return ctypes.get_errno()
+
+
+# Seccomp: syscalls the program never gets, on the two architectures the filter knows (elsewhere no
+# mode is offered). New namespaces (unshare, setns, and clone with a CLONE_NEW* flag; clone3, whose
+# flags a filter cannot read, says ENOSYS so libc falls back to clone), mounts, kernel keyrings, bpf,
+# perf, userfaultfd, io_uring (its requests bypass seccomp), ptrace and cross-process memory access,
+# and the administrative calls an unprivileged uid is refused anyway.
+_SECCOMP_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}
+_SYS_CLONE3 = 435
+_SYS_BLOCKED = {
+    # unshare setns mount umount2 pivot_root chroot open_tree..fspick mount_setattr keyctl add_key
+    # request_key bpf perf_event_open userfaultfd io_uring_* ptrace process_vm_readv/writev kexec_load
+    # init/finit/delete_module acct swapon swapoff reboot sethostname setdomainname quotactl
+    # open_by_handle_at syslog vhangup personality
+    "x86_64": (272, 308, 165, 166, 155, 161, 428, 429, 430, 431, 432, 433, 442, 250, 248, 249, 321, 298, 323,
+               425, 426, 427, 101, 310, 311, 246, 175, 313, 176, 163, 167, 168, 169, 170, 171, 179, 304, 103,
+               153, 135),
+    "aarch64": (97, 268, 40, 39, 41, 51, 428, 429, 430, 431, 432, 433, 442, 219, 217, 218, 280, 241, 282,
+                425, 426, 427, 117, 270, 271, 104, 105, 273, 106, 89, 224, 225, 142, 161, 162, 60, 265, 116,
+                58, 92),
+}
+_CLONE_NEW_FLAGS = 0x7E020080  # NEWNS NEWCGROUP NEWUTS NEWIPC NEWUSER NEWPID NEWNET NEWTIME
+_EPERM, _ENOSYS = 1, 38
+
+
+def _seccomp_program(arch: str) -> bytes:
+  """The classic-BPF seccomp filter described above, as the kernel's sock_filter array."""
+  import struct
+  ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+  allow, kill = 0x7FFF0000, 0x80000000
+  errno = lambda e: 0x00050000 | e
+  prog = [(ld, 0, 0, 4), (jeq, "arch_ok", "kill", _SECCOMP_ARCH[arch]), ("arch_ok",), (ld, 0, 0, 0)]
+  if arch == "x86_64":
+    prog.append((jge, "kill", 0, 0x40000000))  # the x32 ABI's numbers alias the blocked ones
+  prog += [(jeq, "eperm", 0, nr) for nr in _SYS_BLOCKED[arch]]
+  prog += [(jeq, "clone", 0, _SYS_CLONE[arch]), (jeq, "enosys", 0, _SYS_CLONE3), (ret, 0, 0, allow),
+           ("eperm",), (ret, 0, 0, errno(_EPERM)), ("enosys",), (ret, 0, 0, errno(_ENOSYS)),
+           ("kill",), (ret, 0, 0, kill),
+           ("clone",), (ld, 0, 0, 16), (jset, 0, "clone_ok", _CLONE_NEW_FLAGS), (ret, 0, 0, errno(_EPERM)),
+           ("clone_ok",), (ret, 0, 0, allow)]  # BPF jumps only forward
+  labels, code = {}, []
+  for ins in prog:
+    if len(ins) == 1:
+      labels[ins[0]] = len(code)
+    else:
+      code.append(ins)
+  out = b""
+  for i, (op, jt, jf, k) in enumerate(code):
+    rel = lambda t: labels[t] - i - 1 if isinstance(t, str) else t
+    out += struct.pack("=HBBI", op, rel(jt), rel(jf), k)
+  return out
+
+
+def _install_seccomp(program: bytes) -> None:
+  libc, ctypes = _libc()
+  buf = ctypes.create_string_buffer(program, len(program))
+
+  class FProg(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+  fprog = FProg(len(program) // 8, ctypes.addressof(buf))
+  _prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(fprog))
 
 
 def _drop_privileges(cfg: dict) -> tuple:
-  """In the forked child: rlimits, uid/capabilities, cwd. Returns the interpreter and its argv."""
-  import resource
+  """In the forked child, inside the new root: rlimits, uid/capabilities, seccomp, cwd. Returns the
+  interpreter and its argv."""
+  import resource  # already imported by the launcher before the root changed
   lim = cfg["limits"]
-  _libc()  # import ctypes while the caller's interpreter files are still readable (before setuid)
-  os.chdir(cfg["workdir"])
+  os.chdir("/tmp")
   nproc = lim["max_processes"]
   for res, value in ((resource.RLIMIT_CORE, 0), (resource.RLIMIT_MSGQUEUE, 0),
                      (resource.RLIMIT_AS, lim["memory_bytes"]),
@@ -252,7 +371,7 @@ def _drop_privileges(cfg: dict) -> tuple:
   # SIGKILL at the hard limit one second later.
   resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_seconds"], lim["cpu_seconds"] + 1))
   if cfg["uid"] is not None:
-    os.setgroups([])
+    os.setgroups([])  # the supplementary groups of the caller (root) go
     for uid in (cfg["uid"], _FALLBACK_UID):
       try:
         os.setresgid(uid, uid, uid)
@@ -263,19 +382,16 @@ def _drop_privileges(cfg: dict) -> tuple:
           raise
   elif cfg["mode"] == "userns":
     # Root inside the user namespace: empty the bounding and ambient capability sets and lock
-    # "no root privileges on exec", so the program cannot undo the read-only remounts.
-    with open("/proc/sys/kernel/cap_last_cap") as f:
-      last_cap = int(f.read())
-    for cap in range(last_cap + 1):
+    # "no root privileges on exec", so the program cannot undo the read-only mounts.
+    for cap in range(cfg["last_cap"] + 1):
       _prctl(_PR_CAPBSET_DROP, cap)
     _prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL)
     _prctl(_PR_SET_SECUREBITS, _SECBIT_NOROOT | _SECBIT_NOROOT_LOCKED)
-  _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, mount, ...) cannot regain privileges
-  for interpreter in cfg["interpreters"]:
-    if os.access(interpreter, os.X_OK):  # checked with the sandbox's (real) uid
-      break
-  else:
-    raise OSError(f"no Python interpreter executable by the sandbox uid among {cfg['interpreters']}")
+  _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries cannot regain privileges; lets us load the filter
+  _install_seccomp(cfg["seccomp"])
+  interpreter = cfg["interpreter"]
+  if not os.access(interpreter, os.X_OK):  # checked with the sandbox's (real) uid
+    raise OSError(f"the Python interpreter {interpreter} is not executable by the sandbox uid")
   return interpreter, [interpreter, "-I", "-S", "-B", "main.py"]
 
 
@@ -453,6 +569,20 @@ def _probe(mode: str) -> bool:
     return _probe_results[mode]
 
 
+def _cannot_hold(mode: str) -> str:
+  """Why `mode` cannot give every guarantee of the module doc on this machine ('' when it can)."""
+  arch = os.uname().machine
+  if arch not in _SECCOMP_ARCH:
+    return f"the seccomp filter knows {sorted(_SECCOMP_ARCH)}, not {arch}"
+  extra = sorted(set(os.getgroups()) - {os.getegid()})
+  if mode == "userns" and extra:
+    # An unprivileged process must deny setgroups before it may map its gid in a user namespace, so it
+    # keeps these groups, and with them whatever they may open.
+    return (f"the caller has supplementary groups {extra}, which a user namespace cannot drop: run as a "
+            f"user without them (setpriv --clear-groups as root), or as root ('namespaces')")
+  return ""
+
+
 _pdeathsig: list[tuple[str, ...]] = []
 
 
@@ -467,36 +597,51 @@ def _pdeathsig_prefix() -> tuple[str, ...]:
   return _pdeathsig[0]
 
 
-def _interpreters() -> list[str]:
-  """Python interpreters the sandboxed uid may be able to run, best first (checked in the child)."""
-  names = [sys.executable, os.path.realpath(sys.executable), getattr(sys, "_base_executable", ""),
-           "/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"]
-  out = []
-  for n in names:
-    if n and os.path.isabs(n) and n not in out:
-      out.append(n)
-  return out
+def _root_contents() -> tuple[str, list[str], list[tuple[str, str]]]:
+  """What the program's root holds: (interpreter, read-only binds, symlinks).
+
+  The interpreter is the real file behind this process's (a venv's python is a link to it; `-I -S`
+  never reads the venv), its installation prefix (or only its stdlib and binary where the prefix is a
+  shared one such as /usr), the shared-library directories the dynamic loader searches and the loader's
+  cache. Top-level links such as /lib -> usr/lib are recreated as links.
+  """
+  import sysconfig
+  interpreter = os.path.realpath(sys.executable)
+  binds, links = [], []
+  for prefix in {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}:
+    if prefix in ("/", "/usr", "/usr/local"):
+      paths = sysconfig.get_paths(vars={"base": prefix, "platbase": prefix, "installed_base": prefix,
+                                        "installed_platbase": prefix})
+      binds += [os.path.realpath(paths["stdlib"]), os.path.realpath(paths["platstdlib"])]
+    else:
+      binds.append(prefix)
+  binds.append(interpreter)
+  for path in ("/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32",
+               "/usr/local/lib", "/etc/ld.so.cache"):
+    if os.path.islink(path):
+      links.append((path, os.readlink(path)))
+    elif os.path.exists(path):
+      binds.append(path)
+  kept = []
+  for path in sorted(set(binds), key=lambda p: (p.count("/"), p)):
+    if not any(_is_under(path, k) for k in kept) and os.path.exists(path):
+      kept.append(path)
+  return interpreter, kept, links
 
 
 def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
   code_bytes = code.encode("utf-8", "surrogateescape")
   if len(code_bytes) > limits.disk_bytes // 2:
     raise ValueError(f"code is {len(code_bytes)} bytes; at most disk_bytes/2 = {limits.disk_bytes // 2}")
+  why = _cannot_hold(mode)
+  if why:
+    raise SandboxError(f"sandbox mode {mode!r} cannot hold here: {why}")
   is_root = os.geteuid() == 0
   uid = SANDBOX_UID_RANGE[0] + secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0])
   workdir = tempfile.mkdtemp(prefix="dinfer-sandbox-", dir=_workdir_parent())
-  interpreters = _interpreters()
-  hide = []
-  if mode == "userns":
-    # Same uid as the caller outside: cover its home so the program cannot read e.g. ~/.ssh, unless
-    # that would also hide every interpreter the program could run.
-    home = os.path.realpath(os.path.expanduser("~"))
-    outside = [p for p in interpreters if not _is_under(os.path.realpath(p), home)]
-    if home != "/" and os.path.isdir(home) and not _is_under(workdir, home) and any(
-        os.access(p, os.X_OK) for p in outside):
-      hide, interpreters = [home], outside
-  cfg = dict(mode=mode, workdir=workdir, uid=uid if is_root else None, interpreters=interpreters,
-             hide=hide, limits=dataclasses.asdict(limits))
+  interpreter, binds, links = _root_contents()
+  cfg = dict(mode=mode, workdir=workdir, uid=uid if is_root else None, interpreter=interpreter,
+             binds=binds, links=links, arch=os.uname().machine, limits=dataclasses.asdict(limits))
   proc = None
   stopped = []  # [whether the launcher exited on its own terms], once the run was stopped
 
@@ -699,10 +844,6 @@ def _workdir_parent() -> str:
     if parent == path:
       return tmp
     path = parent
-
-
-def _is_under(path: str, root: str) -> bool:
-  return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _signal_name(sig: int) -> str:

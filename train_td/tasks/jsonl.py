@@ -10,9 +10,12 @@ per line:
 - math ("answer"): the model's final answer is its last \\boxed{...}, else what follows its last "####",
   else its last number; it must equal "answer" as a number (exact rationals: "0.5" == "1/2" == "\\frac{1}{2}",
   "1,234" == "1234"), or as text after removing spaces, "$" and a trailing "." when "answer" is not a number.
-- code ("tests"): the model's program (its first ``` fenced block, else the whole answer) runs with "setup"
-  before it and the asserts after it in `train_td.sandbox` (never in-process); it passes when the run exits
-  0 within the limits. An optional "answer" holds a reference solution (unused by the verifier).
+- code ("tests"): the model's program (its first ``` fenced block, else the whole answer) runs after "setup"
+  in `train_td.sandbox` (never in-process), and `train_td.harness` decides: the asserts are evaluated
+  outside the program's process over the plain data its functions returned, so an early exit, an
+  atexit hook or an object whose `__eq__` always says True cannot pass. Every test must be one assert
+  the harness can split (checked when the file is read). An optional "answer" holds a reference
+  solution (unused by the verifier).
 - "kind": "math" | "code" (default: "code" when "tests" is given), "id" (default: a hash of the prompt),
   "split": "train" | "test" (default: hashed on the id, 10% test, the same for any path of the file).
 
@@ -32,13 +35,13 @@ from typing import ClassVar
 
 import numpy as np
 
-from train_td import sandbox
+from train_td import harness, sandbox
 from train_td.tasks.base import Problem, Split, Task
 
 KINDS = ("math", "code")
-# Per program: a test suite of a few asserts, not a benchmark harness.
+# Per program: a test suite of a few asserts, not a benchmark harness. The output holds the probe record.
 CODE_LIMITS = sandbox.Limits(cpu_seconds=5, wall_seconds=10.0, memory_bytes=512 * 2**20,
-                             max_output_bytes=64 * 2**10)
+                             max_output_bytes=1 << 20)
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _FRAC = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)(?:```|$)", re.S)
@@ -87,6 +90,11 @@ def _record(d, where: str) -> Record:
   setup = d.get("setup", "")
   if not isinstance(setup, str):
     raise ValueError(f"{where}: 'setup' must be a string, got {setup!r}")
+  if tests is not None:
+    try:
+      harness.split_tests(tests, setup)
+    except harness.UnverifiableTest as e:
+      raise ValueError(f"{where}: {e}") from None
   # A code problem without a reference solution still needs Problem.answer: the asserts stand in.
   return Record(id=str(rid), kind=kind, prompt=prompt, answer=answer or "\n".join(tests),
                 tests=tuple(tests or ()), setup=setup, split=split)
@@ -146,8 +154,7 @@ class JsonlTask(Task):
     r = self.record(problem)
     if r.kind == "math":
       return math_equal(final_answer(answer_text), r.answer)
-    program = "\n".join([r.setup, extract_code(answer_text), "", *r.tests, ""])
-    return sandbox.run_python(program, limits=CODE_LIMITS).ok
+    return harness.check_tests(extract_code(answer_text), r.tests, r.setup, limits=CODE_LIMITS).passed
 
 
 def _last_boxed(text: str) -> str | None:

@@ -1,10 +1,10 @@
-"""MBPP pass@1: the first ```python``` block of the answer (or the whole answer when there is none) run
-with the problem's imports and asserts in a fresh interpreter, 10 s limit."""
+"""MBPP pass@1: the first ```python``` block of the answer (or the whole answer when there is none) checked
+against the problem's asserts by train_td's harness, in its sandbox (model-written code never runs in a
+plain subprocess: it could read the caller's environment and files, or exit 0 before its asserts)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
+import warnings
 
 _BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 
@@ -15,12 +15,14 @@ def extract_code(answer: str) -> str:
 
 
 def passes(code: str, setup: str, tests: list[str], timeout: float = 10.0) -> bool:
-  program = "\n".join([setup or "", code, *tests])
+  from train_td import harness, sandbox
+  limits = sandbox.Limits(cpu_seconds=max(1, int(timeout)), wall_seconds=timeout, memory_bytes=512 * 2**20,
+                          max_output_bytes=1 << 20)
   try:
-    r = subprocess.run([sys.executable, "-I", "-c", program], capture_output=True, timeout=timeout)
-  except subprocess.TimeoutExpired:
-    return False
-  return r.returncode == 0
+    return harness.check_tests(code, tests, setup or "", limits=limits).passed
+  except harness.UnverifiableTest as e:
+    warnings.warn(f"MBPP: scored as a failure, the harness cannot verify its tests: {e}")
+    return False  # never as a pass
 
 
 def process_results(doc, results):
