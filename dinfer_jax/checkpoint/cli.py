@@ -47,6 +47,8 @@ def main(argv=None, prog: str = "python -m convert") -> int:
   h.add_argument("src")
   h.add_argument("dst")
   h.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  h.add_argument("--allow-nonfinite", action="store_true",
+                 help="convert weights holding NaN/Inf values (with a warning) instead of refusing them")
   _add_overwrite_flags(h)
   j = sub.add_parser("jax2hf", help="converted dir -> HF safetensors dir")
   j.add_argument("src")
@@ -65,14 +67,17 @@ def main(argv=None, prog: str = "python -m convert") -> int:
   # Imports after argument parsing so `--help` is instant; absl logging quieted because orbax warns
   # about things that do not concern a one-shot conversion.
   from absl import logging as absl_logging
-  absl_logging.set_verbosity(absl_logging.ERROR)
+  # FATAL, not ERROR: a failed write (disk full) is logged by orbax's writer thread with its whole
+  # traceback before the error reaches us; we report it once, in one line.
+  absl_logging.set_verbosity(absl_logging.FATAL)
   from dinfer_jax.checkpoint import CheckpointError, hf2jax, inspect, jax2hf
-  from dinfer_jax.checkpoint.outdir import Interrupted
+  from dinfer_jax.checkpoint.outdir import Interrupted, remove_when_quiet
   from dinfer_jax.config import ConfigError
 
   try:
     if args.cmd == "hf2jax":
-      s = hf2jax(args.src, args.dst, args.dtype, overwrite=args.overwrite, replace_unmarked=_replace_unmarked(args))
+      s = hf2jax(args.src, args.dst, args.dtype, overwrite=args.overwrite, replace_unmarked=_replace_unmarked(args),
+                 allow_nonfinite=args.allow_nonfinite)
       print(f"hf2jax: {s['family']} ({s['layout']}, {s['source_dtype']}) -> {args.dst} ({s['dtype']}): "
             f"{s['tensors']} tensors, {s['n_params']:,} params, {_gb(s['bytes'])} "
             f"({_gb(s['disk_bytes'])} on disk), {s['seconds']:.1f} s")
@@ -97,6 +102,8 @@ def main(argv=None, prog: str = "python -m convert") -> int:
     return 2
   except (Interrupted, KeyboardInterrupt) as e:
     # KeyboardInterrupt: Ctrl-C before or after the output was being written (nothing to clean up).
+    if isinstance(e, Interrupted) and e.staging is not None:
+      remove_when_quiet(e.staging)  # orbax's writer threads may still be finishing a write into it
     print(f"{args.cmd}: {e}" if isinstance(e, Interrupted) else f"{args.cmd}: interrupted", file=sys.stderr)
     sys.stderr.flush()
     sys.stdout.flush()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 from typing import Any, Callable, Mapping, Sequence
 
@@ -45,7 +46,7 @@ from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers as ocp_th
 
 from dinfer_jax.checkpoint.errors import CheckpointError
-from dinfer_jax.checkpoint.outdir import atomic_dir
+from dinfer_jax.checkpoint.outdir import atomic_dir, writes_stopped
 from dinfer_jax.config import ConfigError, ModelConfig
 from dinfer_jax.model.params import FP32_PARAMS, abstract_params, leaf_dtype  # noqa: F401 (re-exported)
 
@@ -124,6 +125,8 @@ class _LazyNumpyHandler(ocp_th.NumpyHandler):
 
     async def write_one_by_one():
       for value, info, arg in zip(values, infos, args):
+        if writes_stopped():  # interrupted: the staging directory is being removed
+          return
         try:
           arr = value.materialize()
         except Exception as e:  # noqa: BLE001 (re-raised by _orbax_save)
@@ -298,6 +301,7 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
 
 
 def _orbax_save(directory: pathlib.Path, params) -> None:
+  directory = pathlib.Path(directory).absolute()  # orbax takes absolute paths only
   lazy = _LazyNumpyHandler()
   # No compression, one chunk per leaf (see the module docstring): zstd would save ~20% of disk on bf16
   # weights, at the price of a second, compressed copy of each leaf in memory and slower restores.
@@ -314,12 +318,21 @@ def _orbax_save(directory: pathlib.Path, params) -> None:
   if err is not None:
     if isinstance(err, (CheckpointError, ConfigError)):
       raise err
-    raise CheckpointError(f"{directory}: writing params failed: {type(err).__name__}: {err}") from err
+    raise CheckpointError(f"{directory}: writing params failed: {_io_reason(err)}") from err
+
+
+def _io_reason(err: BaseException) -> str:
+  """One short reason for an orbax/tensorstore failure: the OS error when it carries one."""
+  m = re.search(r"os_error_code='(\d+)'", str(err))
+  if m:
+    return os.strerror(int(m.group(1)))
+  text = str(err).splitlines()[0] if str(err) else ""
+  return f"{type(err).__name__}: {text[:300]}"
 
 
 def orbax_metadata(path: os.PathLike) -> dict[tuple[str, ...], Any]:
   """{leaf path: ArrayMetadata (shape, dtype)} of a converted checkpoint's params, without reading data."""
-  d = pathlib.Path(path) / PARAMS_DIR
+  d = pathlib.Path(path).absolute() / PARAMS_DIR  # orbax takes absolute paths only
   try:
     with ocp.StandardCheckpointer() as c:
       tree = c.metadata(d).item_metadata.tree
@@ -355,7 +368,7 @@ def load_converted(path: os.PathLike, *, dtype=None, shardings=None) -> tuple[An
   Returns:
     (params, ModelConfig, raw HF config dict).
   """
-  path = pathlib.Path(path)
+  path = pathlib.Path(path).absolute()  # orbax takes absolute paths only
   meta = read_meta(path)
   cfg, raw = read_config_file(path)
   stored = norm_dtype(meta["dtype"])
@@ -402,7 +415,7 @@ def restore_leaves_numpy(path: os.PathLike, leaves: list[tuple[str, ...]]) -> di
       it, ar = it.setdefault(k, {}), ar.setdefault(k, {})
     it[p[-1]] = 0
     ar[p[-1]] = ocp_th.RestoreArgs(restore_type=np.ndarray)
-  d = pathlib.Path(path) / PARAMS_DIR
+  d = pathlib.Path(path).absolute() / PARAMS_DIR  # orbax takes absolute paths only
   try:
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as c:
       out = c.restore(d, args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import warnings
 from typing import Any
 
 import jax
@@ -15,6 +16,12 @@ from dinfer_jax.checkpoint.errors import CheckpointError
 from dinfer_jax.checkpoint.safetensors_io import FLOAT_CODES, INDEX_NAME, SINGLE_NAME, WeightSet, dtype_name
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model.params import abstract_params
+
+
+def _count_nonfinite(x: np.ndarray, chunk: int = 1 << 22) -> int:
+  """NaN/Inf entries of a float tensor, counted a chunk at a time (no full-size fp32 copy)."""
+  flat = x.reshape(-1)
+  return sum(int((~np.isfinite(flat[i:i + chunk].astype(np.float32))).sum()) for i in range(0, flat.size, chunk))
 
 
 def is_hf_checkpoint(path: os.PathLike) -> bool:
@@ -38,8 +45,10 @@ class HFCheckpoint:
   mis-shaped or non-float tensor before a single weight byte is read.
   """
 
-  def __init__(self, path: os.PathLike, cfg: ModelConfig | None = None):
+  def __init__(self, path: os.PathLike, cfg: ModelConfig | None = None, *, allow_nonfinite: bool = False):
     self.dir = pathlib.Path(path)
+    # A NaN or Inf weight makes every forward that touches it NaN: refused unless asked (then warned).
+    self.allow_nonfinite = allow_nonfinite
     self.cfg, self.raw_config = read_hf_config(self.dir)
     if cfg is not None:
       self.cfg = cfg
@@ -87,6 +96,13 @@ class HFCheckpoint:
     out = np.empty(shape, leaf_dtype(path, dtype))
     for entry, j in self.by_leaf[path]:
       x = self.weights.read(entry.key)
+      bad = _count_nonfinite(x)
+      if bad:
+        msg = (f"tensor {entry.key!r} in {self.weights[entry.key].file.name} has {bad} NaN/Inf value(s) "
+               f"of {x.size}")
+        if not self.allow_nonfinite:
+          raise CheckpointError(f"{msg} (--allow-nonfinite / allow_nonfinite=True converts it anyway)")
+        warnings.warn(msg)
       out[entry.pieces[j].index] = entry.to_jax(x)[j]
       del x  # unmaps the tensor: its pages leave the resident set
     return out

@@ -26,14 +26,15 @@ def _du(path: pathlib.Path) -> int:
 
 
 def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: bool = False,
-           replace_unmarked: bool = False) -> dict[str, Any]:
+           replace_unmarked: bool = False, allow_nonfinite: bool = False) -> dict[str, Any]:
   """HF checkpoint directory -> converted checkpoint directory (see converted.py for the layout).
 
   The whole HF checkpoint is validated from its headers first; then each param leaf is built from its HF
   tensors, written by orbax and dropped before the next, so peak host memory is about one stacked leaf plus
   the HF tensor being copied (convert/measure_memory.py measures it). DST may not be SRC, contain it or lie
   inside it; an existing DST is replaced only with overwrite, and only if dinfer-jax wrote it unless
-  replace_unmarked (outdir.py).
+  replace_unmarked (outdir.py). A NaN or Inf weight is an error naming the tensor and file, unless
+  allow_nonfinite (then a warning).
 
   Returns:
     Summary: tensors, n_params, bytes (param bytes in the target dtype), disk_bytes, layout, dtype,
@@ -41,7 +42,7 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
   """
   t0 = time.time()
   dtype = norm_dtype(dtype)
-  ck = HFCheckpoint(src)
+  ck = HFCheckpoint(src, allow_nonfinite=allow_nonfinite)
   out = save_converted(dst, ck.lazy_params(dtype), ck.raw_config, src_dir_for_tokenizer=src, layout=ck.layout,
                        overwrite=overwrite, source_dtype=ck.source_dtype, sources=[src],
                        replace_unmarked=replace_unmarked)

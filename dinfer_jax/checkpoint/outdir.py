@@ -22,6 +22,7 @@ import secrets
 import shutil
 import signal
 import threading
+import time
 from typing import Iterator, Sequence
 
 from dinfer_jax.checkpoint.errors import CheckpointError
@@ -35,6 +36,7 @@ class Interrupted(BaseException):
   def __init__(self, signum: int, dst: os.PathLike):
     self.signum = signum
     self.dst = pathlib.Path(dst)
+    self.staging: pathlib.Path | None = None  # set by atomic_dir: removed, but writers may still be busy
     super().__init__(f"interrupted by {signal.Signals(signum).name}: {self.dst} was not written "
                      "(the partial output was removed)")
 
@@ -126,9 +128,37 @@ def _on_signals(handler) -> Iterator[None]:
       signal.signal(s, h)
 
 
+# Set when an interruption arrives: background writers (orbax's) stop before their next leaf instead of
+# writing on into a staging directory that is being removed.
+_stop_writes = threading.Event()
+
+
+def writes_stopped() -> bool:
+  return _stop_writes.is_set()
+
+
+def remove_when_quiet(path: os.PathLike, quiet: float = 0.3, timeout: float = 30.0) -> bool:
+  """Removes `path` until it stays gone for `quiet` seconds (a writer thread may still recreate files in it
+  while it finishes its current write). Returns whether it is gone."""
+  path = pathlib.Path(path)
+  deadline = time.monotonic() + timeout
+  gone_since = None
+  while time.monotonic() < deadline:
+    if path.exists() or path.is_symlink():
+      shutil.rmtree(path, ignore_errors=True)
+      gone_since = None
+    elif gone_since is None:
+      gone_since = time.monotonic()
+    elif time.monotonic() - gone_since >= quiet:
+      return True
+    time.sleep(0.02)
+  return not path.exists()
+
+
 def _signals_raise(dst: pathlib.Path):
   """SIGINT/SIGTERM raise Interrupted while the output is being written."""
   def handler(signum, _frame):
+    _stop_writes.set()
     raise Interrupted(signum, dst)
   return _on_signals(handler)
 
@@ -150,6 +180,7 @@ def atomic_dir(dst: os.PathLike, overwrite: bool = False, *, sources: Sequence[o
     if dst.exists():  # a dead writer's old DST may just have been put back: check it like any other
       check_destination(dst, sources=sources, overwrite=overwrite, replace_unmarked=replace_unmarked)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    _stop_writes.clear()
     tmp.mkdir()
     (tmp / MARKER).write_text(json.dumps({"written_by": "dinfer-jax", "kind": kind}) + "\n")
   except OSError as e:
@@ -169,7 +200,17 @@ def atomic_dir(dst: os.PathLike, overwrite: bool = False, *, sources: Sequence[o
         shutil.rmtree(old, ignore_errors=True)
       else:
         tmp.rename(dst)
-  except BaseException:
+  except BaseException as e:
     with _signals_ignored():
+      _stop_writes.set()
       shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(e, Interrupted):
+      e.staging = tmp
+      raise
+    # Errors name DST, not the staging directory the user never asked for.
+    if isinstance(e, CheckpointError):
+      raise CheckpointError(str(e).replace(str(tmp), str(dst))) from e.__cause__
+    if isinstance(e, OSError):
+      where = str(e.filename).replace(str(tmp), str(dst)) if e.filename else str(dst)
+      raise CheckpointError(f"{where}: {e.strerror or e} (nothing was written to {dst})") from None
     raise
