@@ -108,6 +108,21 @@ def _prepare_dir(cc: CollectConfig, out: pathlib.Path) -> None:
   os.replace(tmp, f)
 
 
+def training_problems(task_name: str, n: int, seed: int) -> list:
+  """The first `n` distinct training problems of the task; a ValueError, before anything is written or loaded,
+  when the task holds fewer (a JSONL file of 5 training rows asked for 10, or one of test rows only)."""
+  task = tasks_lib.get_task(task_name)
+  size = task.split_size("train")
+  if size is not None and n > size:
+    held = task.split_size("test")
+    raise ValueError(f"{task.name}: --n {n} asks for {n} distinct training problems; the task has {size} "
+                     f"(and {held} held-out ones, never collected)")
+  try:
+    return list(itertools.islice(tasks_lib.iter_problems(task, "train", seed, unique=True), n))
+  except RuntimeError as e:  # a generated task with fewer distinct problems than asked
+    raise ValueError(f"--n {n}: {e}") from None
+
+
 def collect(model, cc: CollectConfig, out: os.PathLike, *, progress: bool = True, stop_after: int | None = None,
             process_index: int = 0, process_count: int = 1) -> dict[str, int]:
   """Runs (or resumes) a collection; returns {"attempted", "kept", "rejected", "batches"} over all shards.
@@ -122,11 +137,11 @@ def collect(model, cc: CollectConfig, out: os.PathLike, *, progress: bool = True
   from tqdm.auto import tqdm
   import dinfer_jax
   out = pathlib.Path(out)
-  _prepare_dir(cc, out)
-  task = tasks_lib.get_task(cc.task)
   # All n prompts up front: cheap, and a request for more distinct problems than the split holds fails
-  # here (iter_problems' error), before any generation.
-  problems = list(itertools.islice(tasks_lib.iter_problems(task, "train", cc.seed, unique=True), cc.n))
+  # here, before the directory is made or anything generated.
+  problems = training_problems(cc.task, cc.n, cc.seed)
+  task = tasks_lib.get_task(cc.task)
+  _prepare_dir(cc, out)
   gcfg = cc.gcfg()
   done = done_batches(out)
   mine = [k for k in range(cc.n_batches()) if k % process_count == process_index]
@@ -175,6 +190,7 @@ def collect(model, cc: CollectConfig, out: os.PathLike, *, progress: bool = True
 def main(args) -> int:
   import jax
   import dinfer_jax
+  training_problems(args.task, args.n, args.seed)  # fails before the model is loaded (seconds)
   model = dinfer_jax.load(args.model, dtype=args.dtype)
   gcfg = evaluate.task_generation_config(args, model.path, args.task, model.tokenizer, split="train",
                                          seed=args.seed)

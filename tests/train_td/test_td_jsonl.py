@@ -210,3 +210,26 @@ def test_td_run_and_export_on_a_dense_llada_base(tmp_path):
   assert res["step"] == 2 and "tokenizer.json" not in res["files"]  # the base has none: none invented
   r = dinfer_jax.generate(td, [[4, 20, 21, 5]], gcfg)
   assert r.tokens[0] is not None and r.nfe >= 1
+
+
+@pytest.mark.parametrize("rows,n,want", [
+    ([("train", 5), ("test", 3)], 10, r"--n 10 asks for 10 distinct training problems; the task has 5 \(and 3 held-out"),
+    ([("test", 4)], 1, r"--n 1 asks for 1 distinct training problems; the task has 0 \(and 4 held-out"),
+])
+def test_collect_checks_n_against_the_file_before_writing(tmp_path, rows, n, want):
+  recs = [{"prompt": f"What is {i} + {k}?", "answer": str(i + k), "split": split}
+          for k, (split, count) in enumerate(rows) for i in range(count)]
+  path = _write(tmp_path / "few.jsonl", recs)
+  out = tmp_path / "out"
+  cc = collect_lib.CollectConfig(model="default", task=path, n=n, seed=0, batch=4, generation=())
+  with pytest.raises(ValueError, match=want):
+    collect_lib.collect(None, cc, out, progress=False)  # no model needed: it fails before using one
+  assert not out.exists()
+  # The CLI: one line, before the model is loaded, nothing written; the corrected rerun then goes on.
+  from train_td.__main__ import main
+  assert main(["collect", "--task", path, "--n", str(n), "--out", str(out)]) == 2
+  assert not out.exists()
+  # What the file has is still served, every training row once.
+  got = list(itertools.islice(tasks_lib.iter_problems(tasks_lib.get_task(path), "train", 0, unique=True),
+                              dict(rows).get("train", 0)))
+  assert sorted(p.prompt for p in got) == sorted(r["prompt"] for r in recs if r["split"] == "train")

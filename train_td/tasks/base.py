@@ -81,6 +81,11 @@ class Task(abc.ABC):
     """The split `problem` belongs to (None: neither); by default hashed on its split keys."""
     return problem_split(self, problem)
 
+  def split_size(self, split: Split) -> int | None:
+    """How many distinct problems `split` holds, when the task knows (a finite file); None: too many to
+    count (generated tasks)."""
+    return None
+
 
 _REGISTRY: dict[str, Task] = {}
 
@@ -164,7 +169,11 @@ def iter_problems(task: Task | str, split: Split, seed: int, *, unique: bool = F
   rng = np.random.default_rng([seed, 0 if split == "train" else 1])
   seen: set[str] = set()
   misses = 0
+  size = task.split_size(split) if unique else None
   while True:
+    if size is not None and len(seen) >= size:
+      raise RuntimeError(f"{task.name}: no new {split} problem (found all {size} distinct ones; ask for at most "
+                         "that many)")
     problem = task.generate(rng)
     if task.split_of(problem) != split or (unique and problem.prompt in seen):
       misses += 1

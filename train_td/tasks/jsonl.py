@@ -150,6 +150,9 @@ class JsonlTask(Task):
     digest = hashlib.blake2b(f"dinfer-jax/train_td/jsonl/v1|{r.id}".encode(), digest_size=8).digest()
     return "test" if int.from_bytes(digest, "big") / 2.0**64 < self.test_fraction else "train"
 
+  def split_size(self, split: Split) -> int:
+    return sum(self.split_of(self.problem(r)) == split for r in self.records)
+
   def check(self, problem: Problem, answer_text: str) -> bool:
     r = self.record(problem)
     if r.kind == "math":
