@@ -141,3 +141,16 @@ def test_available_bytes_reads_accelerator_memory_stats():
   Device.memory_stats = lambda self: None  # a backend without statistics: no check rather than a wrong one
   assert diagnostics.available_bytes(Device()) is None
   assert diagnostics.available_bytes() > 0  # this CPU machine's MemAvailable
+
+
+@pytest.mark.parametrize("argv, data, wants", [
+    (["--file", "{f}"], b"What is 1+1?\nWhat is 2+\xff2?\n", ["prompts file {f}:2: not UTF-8 text (byte 0xff"]),
+    (["--file", "{f}"], b'{"prompt": "What is 1+1?"}\n{"prompt": "  "}\n', ["prompts file {f}:2: empty prompt"]),
+    ([""], None, ["prompt 1 is empty"]),
+    (["What is 1+1?", " "], None, ["prompt 2 is empty"]),
+])
+def test_prompt_files_and_empty_prompts(tmp_path, capsys, argv, data, wants):
+  f = tmp_path / "prompts.txt"
+  if data is not None:
+    f.write_bytes(data)
+  _fails([a.format(f=f) for a in argv], capsys, *[w.format(f=f) for w in wants])

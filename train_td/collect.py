@@ -96,6 +96,8 @@ def _write_shard(path: pathlib.Path, records: dict[str, list], meta: dict[str, A
 
 
 def _prepare_dir(cc: CollectConfig, out: pathlib.Path) -> None:
+  from train_td.trainer import check_own_dir
+  check_own_dir(out, (CONFIG,), "collect directory")
   out.mkdir(parents=True, exist_ok=True)
   f = out / CONFIG
   if f.exists():
@@ -190,7 +192,10 @@ def collect(model, cc: CollectConfig, out: os.PathLike, *, progress: bool = True
 def main(args) -> int:
   import jax
   import dinfer_jax
-  training_problems(args.task, args.n, args.seed)  # fails before the model is loaded (seconds)
+  # Refusals come before the model is loaded (seconds).
+  training_problems(args.task, args.n, args.seed)
+  from train_td.trainer import check_own_dir
+  check_own_dir(pathlib.Path(args.out), (CONFIG,), "collect directory")
   model = dinfer_jax.load(args.model, dtype=args.dtype)
   gcfg = evaluate.task_generation_config(args, model.path, args.task, model.tokenizer, split="train",
                                          seed=args.seed)

@@ -68,6 +68,7 @@ def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, pr
       raise ValueError(f"trajectories of {task} need {rows.tokens.shape[1]} positions, more than the base "
                        f"model's max_position={base.config.max_position}")
   run_dir = pathlib.Path(run_dir)
+  trainer.check_own_dir(run_dir, trainer.RUN_MARKERS, "train_td run directory")
   _check_td_config(run_dir, tdc)
   loss_fn = objective.make_td_loss_fn(tc.model_config(), mdm_weight=tdc.mdm_weight, cf_weight=tdc.cf_weight,
                                       eps=tc.eps_t, moe_impl=tc.moe_impl, remat=tc.remat,

@@ -19,6 +19,7 @@ import math
 import os
 import pathlib
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -323,19 +324,43 @@ def _write_json_atomic(path: pathlib.Path, obj) -> None:
 
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
   """Drops metrics logged after `step` (a killed run logged them, then lost them with its checkpoint),
-  so a resumed run does not log those steps twice; a torn last line goes too."""
+  so a resumed run does not log those steps twice. A torn line (the run was killed while writing it) goes
+  too, with a warning naming the file and line."""
   if not path.exists():
     return
-  keep = []
-  for line in path.read_text().splitlines():
+  keep, later = [], 0
+  lines = path.read_text().splitlines()
+  for no, line in enumerate(lines, 1):
     try:
-      if json.loads(line)["step"] <= step:
-        keep.append(line)
+      logged = json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
+      where = "last line" if no == len(lines) else "line"
+      warnings.warn(f"{path}:{no}: {where} is not a whole metrics record ({line[:60]!r}); dropped")
       continue
+    if logged <= step:
+      keep.append(line)
+    else:
+      later += 1
+  if later:
+    warnings.warn(f"{path}: dropped {later} record(s) logged after step {step}, the checkpoint this run "
+                  "resumes from (they are logged again)")
   tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
   tmp.write_text("".join(x + "\n" for x in keep))
   os.replace(tmp, path)
+
+
+# What a run directory may hold besides its own files: anything else there is someone else's directory.
+RUN_MARKERS = (TRAIN_CONFIG, "td_config.json")
+
+
+def check_own_dir(path: pathlib.Path, markers: tuple[str, ...], what: str) -> None:
+  """Refuses an existing, non-empty directory holding none of `markers` (not one of ours: writing into it
+  would mix our files with the user's); a new or empty directory is fine."""
+  if path.exists() and not path.is_dir():
+    raise FileExistsError(f"{path} exists and is not a directory")
+  if path.is_dir() and any(path.iterdir()) and not any((path / m).exists() for m in markers):
+    raise FileExistsError(f"{path} exists and is not a {what} (no {' or '.join(markers)}); give a new or "
+                          "empty directory")
 
 
 def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
@@ -369,6 +394,7 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   # Everything that can be refused is refused before anything is written to the run directory.
   tc.model_config()
   run_dir = pathlib.Path(run_dir)
+  check_own_dir(run_dir, RUN_MARKERS, "train_td run directory")
   cfg_path = run_dir / TRAIN_CONFIG
   have = latest_step(run_dir)
   if resume and have is None:

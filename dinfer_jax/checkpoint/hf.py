@@ -45,10 +45,13 @@ class HFCheckpoint:
   mis-shaped or non-float tensor before a single weight byte is read.
   """
 
-  def __init__(self, path: os.PathLike, cfg: ModelConfig | None = None, *, allow_nonfinite: bool = False):
+  def __init__(self, path: os.PathLike, cfg: ModelConfig | None = None, *, nonfinite: str = "error"):
     self.dir = pathlib.Path(path)
-    # A NaN or Inf weight makes every forward that touches it NaN: refused unless asked (then warned).
-    self.allow_nonfinite = allow_nonfinite
+    # A NaN or Inf weight makes every forward that touches it NaN. "error" / "warn" while converting;
+    # "ignore" when loading for generation, whose diagnostics check the loaded params (naming the model).
+    if nonfinite not in ("error", "warn", "ignore"):
+      raise ValueError(f"nonfinite must be 'error', 'warn' or 'ignore', got {nonfinite!r}")
+    self.nonfinite = nonfinite
     self.cfg, self.raw_config = read_hf_config(self.dir)
     if cfg is not None:
       self.cfg = cfg
@@ -96,11 +99,11 @@ class HFCheckpoint:
     out = np.empty(shape, leaf_dtype(path, dtype))
     for entry, j in self.by_leaf[path]:
       x = self.weights.read(entry.key)
-      bad = _count_nonfinite(x)
+      bad = 0 if self.nonfinite == "ignore" else _count_nonfinite(x)
       if bad:
         msg = (f"tensor {entry.key!r} in {self.weights[entry.key].file.name} has {bad} NaN/Inf value(s) "
                f"of {x.size}")
-        if not self.allow_nonfinite:
+        if self.nonfinite == "error":
           raise CheckpointError(f"{msg} (--allow-nonfinite / allow_nonfinite=True converts it anyway)")
         warnings.warn(msg)
       out[entry.pieces[j].index] = entry.to_jax(x)[j]
@@ -138,7 +141,7 @@ def load_hf_params(path: os.PathLike, cfg: ModelConfig | None = None, dtype="bfl
   Returns:
     The tree of abstract_params(cfg, dtype): numpy arrays, or jax arrays when shardings are given.
   """
-  ck = HFCheckpoint(path, cfg)
+  ck = HFCheckpoint(path, cfg, nonfinite="ignore")  # generation's diagnostics report them
   dtype = norm_dtype(dtype)
   abstract = abstract_params(ck.cfg, dtype)
   if shardings is not None and isinstance(shardings, jax.sharding.Sharding):

@@ -42,7 +42,7 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
   """
   t0 = time.time()
   dtype = norm_dtype(dtype)
-  ck = HFCheckpoint(src, allow_nonfinite=allow_nonfinite)
+  ck = HFCheckpoint(src, nonfinite="warn" if allow_nonfinite else "error")
   out = save_converted(dst, ck.lazy_params(dtype), ck.raw_config, src_dir_for_tokenizer=src, layout=ck.layout,
                        overwrite=overwrite, source_dtype=ck.source_dtype, sources=[src],
                        replace_unmarked=replace_unmarked)

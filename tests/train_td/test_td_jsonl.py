@@ -233,3 +233,20 @@ def test_collect_checks_n_against_the_file_before_writing(tmp_path, rows, n, wan
   got = list(itertools.islice(tasks_lib.iter_problems(tasks_lib.get_task(path), "train", 0, unique=True),
                               dict(rows).get("train", 0)))
   assert sorted(p.prompt for p in got) == sorted(r["prompt"] for r in recs if r["split"] == "train")
+
+
+def test_collect_refuses_a_directory_that_is_not_a_collect_dir(tmp_path):
+  path = _write(tmp_path / "t.jsonl", [{"prompt": f"What is {i} + 1?", "answer": str(i + 1), "split": "train"}
+                                       for i in range(3)])
+  out = tmp_path / "mine"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  from train_td.__main__ import main
+  assert main(["collect", "--task", path, "--n", "2", "--out", str(out)]) == 2
+  assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_task_file_not_utf8_names_the_file(tmp_path):
+  (tmp_path / "bad.jsonl").write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+  with pytest.raises(ValueError, match=r"task file .*bad\.jsonl:2: not UTF-8 text \(byte 0xe9 at offset 47\)"):
+    tasks_lib.get_task(str(tmp_path / "bad.jsonl"))

@@ -275,6 +275,20 @@ def test_train_refusals_write_nothing(tmp_path, capsys, flags, want):
   assert not (tmp_path / "run").exists()  # the corrected command is not refused afterwards
 
 
+def test_train_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  (mine / "notes.txt").write_text("mine")
+  rc, err = _cli(["train", mine, *_TINY_FLAGS], capsys)
+  assert rc == 2 and err.strip().splitlines()[-1:] == [
+      f"error: {mine} exists and is not a train_td run directory (no train_config.json or td_config.json); "
+      "give a new or empty directory"], err
+  assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+  (mine / "notes.txt").unlink()  # an empty directory is a new run's
+  assert _cli(["train", mine, *_TINY_FLAGS], capsys)[0] == 0
+  assert (mine / trainer.TRAIN_CONFIG).is_file()
+
+
 def test_init_from_a_model_starts_from_its_weights():
   import dinfer_jax
   model = dinfer_jax.load("default", dtype="float32")
@@ -334,7 +348,13 @@ def test_killed_run_resumes_without_duplicate_metrics(tmp_path):
   # A kill after step 3 was logged but before its checkpoint: the log is ahead of the checkpoint (and torn).
   with open(d / trainer.METRICS, "a") as f:
     f.write(json.dumps({"step": 3, "loss": 9.0}) + "\n" + '{"step": 4, "lo')
-  trainer.train(tiny_config(), d, progress=False)
+  with pytest.warns(UserWarning) as seen:
+    trainer.train(tiny_config(), d, progress=False)
+  said = [str(w.message) for w in seen]
+  # Both losses are reported, not dropped silently: the torn line (named by file and line) and the record
+  # logged past the checkpoint.
+  assert any(f"{d / trainer.METRICS}:4: last line is not a whole metrics record" in m for m in said), said
+  assert any("dropped 1 record(s) logged after step 2" in m for m in said), said
   lines = [json.loads(x) for x in (d / trainer.METRICS).read_text().splitlines()]
   assert [x["step"] for x in lines] == [1, 2, 3] and lines[2]["loss"] != 9.0
 

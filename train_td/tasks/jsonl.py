@@ -35,6 +35,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from dinfer_jax.prompt_input import read_utf8
 from train_td import harness, sandbox
 from train_td.tasks.base import Problem, Split, Task
 
@@ -118,11 +119,7 @@ class JsonlTask(Task):
   @classmethod
   def from_file(cls, path: str | os.PathLike) -> "JsonlTask":
     records = []
-    try:
-      with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    except OSError as e:
-      raise FileNotFoundError(f"task file {path}: {e.strerror}") from None
+    lines = read_utf8(path, "task file").splitlines()
     for no, line in enumerate(lines, 1):
       if not line.strip():
         continue
