@@ -24,5 +24,5 @@ def default_model():
 @pytest.fixture(scope="session")
 def default_gcfg(default_model):
   """The generation config `dinfer-jax generate` uses for the embedded model (its generation_config.json)."""
-  from dinfer_jax import cli
-  return cli.generation_config(cli.build_parser().parse_args(["generate", "x"]), default_model.path)
+  from dinfer_jax import cli, cli_common
+  return cli_common.generation_config(cli.build_parser().parse_args(["generate", "x"]), default_model.path)

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from dinfer_jax import cli
+from dinfer_jax import cli, cli_common
 
 MODEL = str(pathlib.Path(__file__).parent / "golden" / "decode" / "A")
 KNOBS = ["--gen-length", "16", "--block-length", "8", "--mask-id", "509", "--eos-id", "506"]
@@ -53,8 +53,8 @@ def test_model_generation_defaults_sit_between_dataclass_and_flags(tmp_path):
                                                    '"temperature_unknown_key": 1}')
   ap = cli.build_parser()
   args = ap.parse_args(["generate", "x"])
-  cfg = cli.generation_config(args, str(tmp_path))
+  cfg = cli_common.generation_config(args, str(tmp_path))
   assert (cfg.gen_length, cfg.block_length, cfg.cache, cfg.threshold) == (24, 8, "dual", 0.9)
   args = ap.parse_args(["generate", "--gen-length", "40", "--cache", "none", "x"])
-  cfg = cli.generation_config(args, str(tmp_path))
+  cfg = cli_common.generation_config(args, str(tmp_path))
   assert (cfg.gen_length, cfg.block_length, cfg.cache) == (40, 8, "none")

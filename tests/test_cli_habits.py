@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import dinfer_jax
-from dinfer_jax import cli
+from dinfer_jax import cli, cli_common
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 QS = ["What is 348+279?", "f(0..5)=2,5,8,11,14,17", "12 x 13", "905-417", "61*7"]
@@ -27,8 +27,9 @@ def gcfg(default_gcfg):
 
 
 def _alone(model, gcfg, msgs_or_text, system=None):
-  ids = cli.encode_prompts(model, [msgs_or_text], system=system)[0]
-  return model.tokenizer.decode(dinfer_jax.generate(model, [ids], gcfg).tokens[0], skip_special_tokens=True)
+  ids = cli_common.encode_prompts(model, [msgs_or_text], system=system)[0]
+  # Stripped, as the CLI prints it (plain and --json): the model pads answers to a column (" 627").
+  return model.tokenizer.decode(dinfer_jax.generate(model, [ids], gcfg).tokens[0], skip_special_tokens=True).strip()
 
 
 def _json_lines(out):
@@ -119,3 +120,61 @@ def test_convert_and_train_subcommands(capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["train", "--help"])
   assert e.value.code == 0 and "{train,export,eval,collect,distill}" in capsys.readouterr().out
+
+
+def test_json_answer_is_the_plain_answer_and_keeps_the_steps(model, gcfg, capsys):
+  q = "What is 348+279?"
+  raw = model.tokenizer.decode(dinfer_jax.generate(model, cli_common.encode_prompts(model, [q]), gcfg).tokens[0],
+                               skip_special_tokens=True)
+  assert raw != raw.strip()  # the model pads its answers: what this test is about
+  assert cli.main(["generate", q]) == 0
+  plain = capsys.readouterr().out.strip()
+  assert cli.main(["generate", "--json", q]) == 0
+  row = _json_lines(capsys.readouterr().out)[0]
+  assert row["answer"] == plain == raw.strip() and "steps" not in row
+  assert cli.main(["generate", "--json", "--show-steps", q]) == 0
+  row = _json_lines(capsys.readouterr().out)[0]
+  assert row["answer"] == plain and len(row["steps"]) == row["nfe"]
+  # The steps account for every committed token exactly once, with its text.
+  got = {p: (t, x) for s in row["steps"] for p, t, x in zip(s["positions"], s["tokens"], s["text"])}
+  assert sum(len(s["positions"]) for s in row["steps"]) == len(got)
+  ids = [got[p][0] for p in sorted(got)]
+  assert model.tokenizer.decode(ids, skip_special_tokens=True).strip() == plain
+  assert all(model.tokenizer.decode([t], skip_special_tokens=False) == x for t, x in got.values())
+  assert [s["step"] for s in row["steps"]] == list(range(1, row["nfe"] + 1))
+
+
+def test_model_before_the_command(capsys):
+  assert cli.main(["--model", "default-td", "generate", "--json", "What is 12 x 13?"]) == 0
+  before = _json_lines(capsys.readouterr().out)[0]
+  assert cli.main(["generate", "--model", "default-td", "--json", "What is 12 x 13?"]) == 0
+  assert _json_lines(capsys.readouterr().out)[0] == before
+  assert cli.main(["--model=default-td", "train", "eval", "--task", "arithmetic", "--n", "4", "--json"]) == 0
+  assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["model"].endswith("default-td")
+
+
+@pytest.mark.parametrize("command", ["serve", "bench"])
+def test_every_command_help_shows_the_models_defaults(command, capsys):
+  with pytest.raises(SystemExit):
+    cli.main([command, "--help"])
+  out = " ".join(capsys.readouterr().out.split())
+  assert "default 8 (the model's generation_config.json; dataclass 128)" in out, out
+
+
+def test_no_module_imports_the_cli_back():
+  """The entry point imports the shared pieces (cli_common); nothing in the packages imports dinfer_jax.cli."""
+  import ast
+  root = pathlib.Path(__file__).resolve().parents[1]
+  offenders = []
+  for pkg in ("dinfer_jax", "train_td", "convert"):
+    for f in (root / pkg).rglob("*.py"):
+      if f == root / "dinfer_jax" / "cli.py":
+        continue
+      for node in ast.walk(ast.parse(f.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module
+                 else [])
+        offenders += [f"{f.relative_to(root)}: {n}" for n in names
+                      if n == "dinfer_jax.cli" or n.startswith("dinfer_jax.cli.")]
+  assert offenders == []
+  assert not (root / "convert" / "measure_memory.py").exists()  # convert/ is the entry point only

@@ -134,15 +134,14 @@ def cmd_train_td(args, kw, mesh=None) -> int:
 
 
 def _add_collect(sub):
-  from dinfer_jax.cli import add_generation_flags
+  from dinfer_jax.cli_common import add_generation_flags, add_model_flags
   p = sub.add_parser("collect", help="golden trajectories of a model on training prompts (Parquet shards)")
-  p.add_argument("--model", default="default")
+  add_model_flags(p)
   p.add_argument("--task", required=True)
   p.add_argument("--n", type=_positive_int, required=True, help="training prompts to run (distinct)")
   p.add_argument("--out", required=True, help="output directory (resumed if it has shards)")
   p.add_argument("--batch", type=_positive_int, default=128, help="prompts per engine call (= per shard)")
   p.add_argument("--seed", type=int, default=0, help="which training prompts")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--no-progress", action="store_true")
   add_generation_flags(p)  # knobs not given come from the model's generation_config.json (and its task rule)
   from dinfer_jax.sharding import add_parallel_flags
@@ -213,7 +212,7 @@ def cmd_export(args) -> int:
 
 
 def _add_eval(sub):
-  from dinfer_jax.cli import add_generation_flags
+  from dinfer_jax.cli_common import DTYPES, add_generation_flags
   p = sub.add_parser("eval", help="accuracy, TPF and NFE on held-out problems")
   p.add_argument("--model", default="default", help="model directory or name; several comma-separated are "
                  "compared with the same generation settings (the first model's generation_config.json)")
@@ -221,7 +220,7 @@ def _add_eval(sub):
   p.add_argument("--n", type=_positive_int, default=200)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--batch", type=_positive_int, default=64, help="problems per generate call")
-  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--dtype", default="float32", choices=DTYPES)
   p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
   p.add_argument("--show", type=int, default=0, help="print the first N problems with answers")
   add_generation_flags(p)  # knobs not given come from the model's generation_config.json

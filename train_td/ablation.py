@@ -38,7 +38,7 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
 
   import dinfer_jax
-  from dinfer_jax.cli import _read_generation_file
+  from dinfer_jax.cli_common import read_generation_file
   from train_td import evaluate, export, td_train
   from train_td import tasks as tasks_lib
   known = {v[0]: v for v in VARIANTS}
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     tdc = td_train.TDConfig(data=a.data, base=a.base, mdm_weight=mdm, cf_weight=cf)
     td_train.train(tdc, run, progress=not a.no_progress, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                    warmup_steps=a.warmup_steps, seed=a.seed, ckpt_every=max(1, a.steps // 6), log_every=10)
-    export.export_run(run, work / f"{name}-hf", generation_config=_read_generation_file(base.path) or None)
+    export.export_run(run, work / f"{name}-hf", generation_config=read_generation_file(base.path) or None)
     models.append((name, dinfer_jax.load(work / f"{name}-hf")))
   rows = []
   for task in tasks:

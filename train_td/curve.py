@@ -14,7 +14,7 @@ import json
 import sys
 
 import dinfer_jax
-from dinfer_jax.cli import model_generation_defaults
+from dinfer_jax.cli_common import model_generation_defaults
 from dinfer_jax.engine.config import GenerationConfig
 from train_td import evaluate
 from train_td import prompting

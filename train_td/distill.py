@@ -35,7 +35,7 @@ def main(args) -> int:
   import dataclasses
   import jax
   import dinfer_jax
-  from dinfer_jax.cli import _read_generation_file
+  from dinfer_jax.cli_common import read_generation_file
   from train_td import collect, evaluate, export, tasks as tasks_lib, td_train
   tasks = [t for t in args.tasks.split(",") if t]
   for t in tasks:
@@ -64,7 +64,7 @@ def main(args) -> int:
                        lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, ckpt_every=max(1, args.steps // 6),
                        log_every=10)
   stages["train"] = {"step": out["step"], "seconds": round(time.time() - ts, 1)}
-  gen = _read_generation_file(base.path) or None
+  gen = read_generation_file(base.path) or None
   stages["export"] = export.export_run(run, args.out, generation_config=gen)
   print(json.dumps({"stages": stages, "seconds": round(time.time() - t0, 1), "out": args.out}))
   return 0

@@ -83,7 +83,7 @@ def task_generation_config(args, model_path: str | None, task: str, tokenizer=No
   """Dataclass < the model's generation_config.json (and its prompt rule for the task's prompts, e.g. a
   longer gen_length for sort) < flags. `tokenizer`: the model's (read from model_path when a
   natural-language task needs it and none is given)."""
-  from dinfer_jax.cli import generation_config
+  from dinfer_jax.cli_common import generation_config
   task_obj = tasks_lib.get_task(task)
   probe = next(tasks_lib.iter_problems(task_obj, split, seed))
   if tokenizer is None and task_obj.chat:
@@ -97,7 +97,7 @@ def main(args) -> int:
   the first one (its generation_config.json + flags): the comparison of base and TD at equal settings."""
   import dinfer_jax
   from dinfer_jax import diagnostics
-  from dinfer_jax.cli import knob_sources
+  from dinfer_jax.cli_common import knob_sources
   names = [m for m in args.model.split(",") if m]
   task_names = [t for t in args.task.split(",") if t]
   for t in task_names:

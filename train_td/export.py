@@ -31,7 +31,7 @@ from train_td import tokenizer as tok_lib
 # prompt rules below.
 DEFAULT_GENERATION = {"gen_length": 8, "block_length": 8, "decoder": "threshold", "threshold": 0.9,
                       "cache": "dual", "prompt_bucket": 16}
-# Prompt rules (dinfer_jax.cli.PROMPT_RULES) of the long-answer tasks, written for a run that trained them:
+# Prompt rules (dinfer_jax.cli_common.PROMPT_RULES) of the long-answer tasks, written for a run that trained them:
 # sort answers are up to 47 characters + <|eos|> (the task's answer region, data.DEFAULT_TASK_ANSWER_LEN),
 # six blocks of 8, long sums 25 + <|eos|> in four blocks of 8, so a user's long list or sum is never cut
 # off at the short default.

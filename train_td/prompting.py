@@ -37,7 +37,7 @@ def prompt_ids(model, task: Task, problems: Sequence[Problem]) -> list[list[int]
   built-in tasks)."""
   _check(getattr(model, "tokenizer", None), task, getattr(model, "path", None))
   if task.chat:
-    from dinfer_jax.cli import encode_prompts
+    from dinfer_jax.cli_common import encode_prompts
     return encode_prompts(model, [p.prompt for p in problems], warn=False)
   return [data_lib.encode_prompt(p.prompt) for p in problems]
 

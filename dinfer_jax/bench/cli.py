@@ -8,7 +8,7 @@ import json
 import pathlib
 import platform
 import sys
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,16 +25,17 @@ LABELS = {"engine": "(a) engine (jitted loop)", "stepped": "(b) Python-stepped, 
           "overhead": "(e) fixed_steps k tok/fwd (overhead probe)"}
 
 
-def register(subparsers) -> None:
-  from dinfer_jax import cli
+def register(subparsers, model_defaults=None) -> None:
+  """Adds `bench`; `model_defaults` (the --model's generation_config.json knobs) are shown in its help."""
+  from dinfer_jax import cli_common
   b = subparsers.add_parser("bench", help="throughput: jitted engine vs Python-stepped loop vs baselines",
                             description=__doc__)
-  b.add_argument("--model", default="default", help="model directory; default: the embedded model")
+  cli_common.add_model_flags(b, dtype=False)
   b.add_argument("--preset", default=None, choices=sorted(presets.PRESETS),
                  help="instead of --model: a named shape with random weights and its own gen/block length and "
                       "prompt length (e.g. mid: hidden 512, 8 layers, 16 experts top-4, vocab 32k; prompt 32, "
                       "gen 128, block 32)")
-  b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  b.add_argument("--dtype", default="float32", choices=cli_common.DTYPES)
   b.add_argument("--prompts", default=None,
                  help="JSON file: a list of strings (tokenized with the model's chat template) or of token-id "
                       "lists; default: a built-in small set")
@@ -54,15 +55,15 @@ def register(subparsers) -> None:
   srv.add_argument("--requests", type=int, default=256, help="requests to send (default %(default)s)")
   srv.add_argument("--concurrency", type=int, default=32, help="client threads (default %(default)s)")
   srv.add_argument("--max-tokens", type=int, default=None, help="max_tokens of each request")
-  cli.add_generation_flags(b)
+  cli_common.add_generation_flags(b, model_defaults)
   b.set_defaults(func=cmd_bench)
 
 
 def load_prompts(model, path: str | None, gcfg) -> list[list[int]]:
-  from dinfer_jax import cli
+  from dinfer_jax import cli_common
   if path is None:
     if model.tokenizer is not None:
-      return cli.encode_prompts(model, list(throughput.TEXT_PROMPTS))
+      return cli_common.encode_prompts(model, list(throughput.TEXT_PROMPTS))
     mask = gcfg.mask_id if gcfg.mask_id is not None else model.config.mask_token_id
     eos = gcfg.eos_id if gcfg.eos_id is not None else model.config.eos_token_id
     return throughput.default_token_prompts(model.config, int(mask), int(eos))
@@ -70,7 +71,7 @@ def load_prompts(model, path: str | None, gcfg) -> list[list[int]]:
   if not isinstance(data, list) or not data:
     raise ValueError(f"--prompts {path}: expected a non-empty JSON list of strings or of token-id lists")
   if all(isinstance(p, str) for p in data):
-    return cli.encode_prompts(model, data)
+    return cli_common.encode_prompts(model, data)
   if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in data):
     return data
   raise ValueError(f"--prompts {path}: every entry must be a string, or every entry a non-empty list of ints")
@@ -82,13 +83,13 @@ def preset_model(args: argparse.Namespace):
   import jax
   import jax.numpy as jnp
 
-  from dinfer_jax import api, cli
+  from dinfer_jax import api, cli_common
   from dinfer_jax.model import params as params_lib
   pr = presets.get(args.preset)
   cfg = pr.model()
   params = params_lib.init_params(cfg, jax.random.PRNGKey(0), jnp.dtype(args.dtype))
   model = api.Model(config=cfg, params=params)
-  gcfg = cli.generation_config(args)
+  gcfg = cli_common.generation_config(args)
   shape = {"gen_length": pr.gen_length, "block_length": pr.block_length, "prompt_bucket": pr.block_length}
   gcfg = gcfg.replace(**{k: v for k, v in shape.items() if not hasattr(args, k)})
   rng = np.random.default_rng(0)
@@ -175,7 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
   if args.server:
     return cmd_bench_server(args)
   import dinfer_jax
-  from dinfer_jax import cli
+  from dinfer_jax import cli_common
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]
   bad = [v for v in variants if v not in throughput.VARIANTS]
   if bad:
@@ -186,7 +187,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model, gcfg, prompts = preset_model(args)
   else:
     model = dinfer_jax.load(args.model, dtype=args.dtype)
-    gcfg = cli.generation_config(args, model.path)
+    gcfg = cli_common.generation_config(args, model.path)
   if gcfg.temperature != 0:
     raise ValueError("bench: temperature must be 0 (the Python-stepped loop is greedy)")
   if not args.preset or args.prompts:
@@ -214,12 +215,3 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _jsonable(gcfg) -> dict[str, Any]:
   import dataclasses
   return dataclasses.asdict(gcfg)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  from dinfer_jax import cli
-  return cli.main(["bench", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":
-  sys.exit(main())

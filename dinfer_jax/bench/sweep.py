@@ -92,11 +92,10 @@ def plot(res: dict[str, Any], path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
-  from dinfer_jax import cli
+  from dinfer_jax import cli_common
   import dinfer_jax
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--model", default="default")
-  ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  cli_common.add_model_flags(ap)
   ap.add_argument("--prompts", default=None)
   ap.add_argument("--batch-size", type=int, default=1)
   ap.add_argument("--repeats", type=int, default=3)
@@ -105,10 +104,10 @@ def main(argv=None) -> int:
   ap.add_argument("--json", dest="json_out", default=None)
   ap.add_argument("--plot", default=None)
   ap.add_argument("--no-progress", action="store_true")
-  cli.add_generation_flags(ap)
+  cli_common.add_generation_flags(ap)
   args = ap.parse_args(argv)
   model = dinfer_jax.load(args.model, dtype=args.dtype)
-  gcfg = cli.generation_config(args, model.path)
+  gcfg = cli_common.generation_config(args, model.path)
   prompts = bench_cli.load_prompts(model, args.prompts, gcfg)
   t = time.perf_counter()
   res = run(model, prompts, gcfg, batch_size=args.batch_size, repeats=args.repeats, overhead_k=args.overhead_k,

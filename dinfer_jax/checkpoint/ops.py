@@ -31,7 +31,7 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
 
   The whole HF checkpoint is validated from its headers first; then each param leaf is built from its HF
   tensors, written by orbax and dropped before the next, so peak host memory is about one stacked leaf plus
-  the HF tensor being copied (convert/measure_memory.py measures it). DST may not be SRC, contain it or lie
+  the HF tensor being copied (dinfer_jax/checkpoint/measure_memory.py measures it). DST may not be SRC, contain it or lie
   inside it; an existing DST is replaced only with overwrite, and only if dinfer-jax wrote it unless
   replace_unmarked (outdir.py). A NaN or Inf weight is an error naming the tensor and file, unless
   allow_nonfinite (then a warning).

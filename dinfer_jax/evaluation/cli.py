@@ -13,7 +13,8 @@ TASKS_DIR = pathlib.Path(__file__).parent / "tasks"
 def register(subparsers) -> None:
   e = subparsers.add_parser("lm-eval", help="lm-evaluation-harness on a model (scores + TPS/TPF/NFE)",
                             description=__doc__)
-  e.add_argument("--model", default="default", help="model directory; default: the embedded model")
+  from dinfer_jax import cli_common
+  cli_common.add_model_flags(e, dtype=False)  # the dtype goes in --model-args, as lm-eval passes it
   e.add_argument("--model-args", default="", help="comma list of k=v: dtype, batch_size, mc_num, mc_batch_size, "
                  "seed, and GenerationConfig knobs (gen_length=256,cache=dual,...)")
   e.add_argument("--tasks", required=True, help="comma list, e.g. dinfer_default_arithmetic or gsm8k_llada_moe")

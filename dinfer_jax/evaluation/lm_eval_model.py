@@ -55,7 +55,7 @@ class DinferJaxLM(LM):
                mc_num: int = 128, mc_batch_size: int = 32, seed: int = 0, **kwargs):
     super().__init__()
     import dinfer_jax
-    from dinfer_jax.cli import model_generation_defaults
+    from dinfer_jax.cli_common import model_generation_defaults
     self.model = dinfer_jax.load(pretrained, dtype=dtype)
     if self.model.tokenizer is None:
       raise ValueError(f"dinfer_jax: the model at {self.model.path} has no tokenizer; lm-eval sends text")

@@ -8,12 +8,12 @@ import sys
 import time
 
 
-def register(subparsers) -> None:
-  from dinfer_jax import cli
+def register(subparsers, model_defaults=None) -> None:
+  """Adds `serve`; `model_defaults` (the --model's generation_config.json knobs) are shown in its help."""
+  from dinfer_jax import cli_common
   s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching",
                             description=__doc__)
-  s.add_argument("--model", default="default", help="model directory; default: the embedded model")
-  s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  cli_common.add_model_flags(s)
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
   s.add_argument("--port", type=int, default=8000)
   s.add_argument("--served-model-name", default=None,
@@ -28,7 +28,7 @@ def register(subparsers) -> None:
                  help="compile every batch bucket for prompts up to this many tokens before serving "
                       "(0: no warm-up; later buckets compile on first use)")
   s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
-  cli.add_generation_flags(s)
+  cli_common.add_generation_flags(s, model_defaults)
   s.set_defaults(func=cmd_serve)
 
 
@@ -52,13 +52,13 @@ def model_name(model, given: str | None) -> str:
 def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flush=True)):
   """Loads the model and builds (app, batcher); warms the buckets."""
   import dinfer_jax
-  from dinfer_jax import cli
+  from dinfer_jax import cli_common
   from dinfer_jax.serve.app import ServerConfig, create_app
   from dinfer_jax.serve.batcher import DynamicBatcher
   from dinfer_jax.serve.metrics import Metrics
 
   model = dinfer_jax.load(args.model, dtype=args.dtype)
-  gcfg = cli.generation_config(args, model.path)
+  gcfg = cli_common.generation_config(args, model.path)
   metrics = Metrics(args.max_batch)
   batcher = DynamicBatcher(model, max_batch=args.max_batch, window_s=args.batch_window_ms / 1000,
                            max_queue=args.max_queue, on_batch=metrics.batch, on_drop=metrics.drop)
@@ -67,7 +67,7 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   t = time.perf_counter()
   n = 0
   # The model's prompt rules (e.g. long sums: gen_length 32) are programs of their own: warm them too.
-  for g in [gcfg] + [r for r in cli.rule_generation_configs(args, model.path) if r != gcfg]:
+  for g in [gcfg] + [r for r in cli_common.rule_generation_configs(args, model.path) if r != gcfg]:
     n += batcher.warmup(g, warmup_prompt_lengths(model.config, g, args.warmup_max_prompt_len),
                         token_id=next(i for i in range(model.config.vocab_size) if i != mask))
   log(f"dinfer-jax serve: warmed {n} compiled programs in {time.perf_counter() - t:.1f}s")
@@ -77,7 +77,7 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
 
     @functools.lru_cache(maxsize=4096)
     def _for_text(text: str):
-      return cli.generation_config(args, model.path, text)
+      return cli_common.generation_config(args, model.path, text)
 
     def config_for(prompt):
       # rules match on the prompt as the model sees it; only the prefix matters, so a bounded decode

@@ -1,10 +1,10 @@
-"""Peak host memory of the conversion on a generated ~0.5 GB checkpoint (slow; convert/measure_memory.py)."""
+"""Peak host memory of the conversion on a generated ~0.5 GB checkpoint (slow; dinfer_jax/checkpoint/measure_memory.py)."""
 import pytest
 
 
 @pytest.mark.slow
 def test_hf2jax_peak_memory_is_about_one_leaf(tmp_path):
-  from convert import measure_memory
+  from dinfer_jax.checkpoint import measure_memory
   r = measure_memory.measure(0.5, tmp_path / "w")
   print(measure_memory.report(r))
   m, steps = r["model"], r["steps"]
@@ -21,7 +21,7 @@ def test_hf2jax_peak_memory_is_about_one_leaf(tmp_path):
 def test_load_onto_mesh_peak_memory_is_about_one_leaf(tmp_path):
   """dinfer_jax.load(path, mesh=...) places each leaf onto its sharding as it is read: beyond the placed
   shards themselves, host memory peaks at about one leaf (never the whole model first)."""
-  from convert import measure_memory
+  from dinfer_jax.checkpoint import measure_memory
   r = measure_memory.measure_mesh_load(0.5, tmp_path / "w")
   m, steps = r["model"], r["steps"]
   base = steps["baseline (import, 8 devices, mesh)"]["peak_rss"]

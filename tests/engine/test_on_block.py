@@ -3,7 +3,7 @@ and streaming changes nothing in the result."""
 import pytest
 
 import dinfer_jax
-from dinfer_jax import cli
+from dinfer_jax import cli_common
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def model(default_model):
 
 def test_on_block_streams_each_committed_block(model, default_gcfg):
   gcfg = default_gcfg.replace(block_length=4)  # two blocks (the model's own default is one block of 8)
-  ids = cli.encode_prompts(model, ["What is 348+279?", "f(0..5)=2,5,8,11,14,17", "f(0..5)=1,3,5,7,9,11"])
+  ids = cli_common.encode_prompts(model, ["What is 348+279?", "f(0..5)=2,5,8,11,14,17", "f(0..5)=1,3,5,7,9,11"])
   seen = []
   res = dinfer_jax.generate(model, ids, gcfg, batch_bucket=4, on_block=lambda k, rows: seen.append((k, rows)))
   plain = dinfer_jax.generate(model, ids, gcfg, batch_bucket=4)

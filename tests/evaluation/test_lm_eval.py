@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("lm_eval")
 
 import dinfer_jax  # noqa: E402
-from dinfer_jax import cli  # noqa: E402
+from dinfer_jax import cli, cli_common  # noqa: E402
 from dinfer_jax.evaluation import loglik  # noqa: E402
 from dinfer_jax.evaluation.lm_eval_model import DinferJaxLM  # noqa: E402
 
@@ -109,7 +109,7 @@ def test_offline_lm_eval_scores_what_train_td_eval_scores(monkeypatch, tmp_path,
   rows = [json.loads(l) for l in (TASKS_DIR / "embedded" / "arithmetic_test.jsonl").read_text().splitlines()]
   assert [r["prompt"] for r in rows[:n]] == [p.prompt for p in tasks.test_problems("arithmetic", n, 0)]
   model = dinfer_jax.load("default")
-  gcfg = cli.generation_config(cli.build_parser().parse_args(["generate", "x"]), model.path)
+  gcfg = cli_common.generation_config(cli.build_parser().parse_args(["generate", "x"]), model.path)
   ref = evaluate.evaluate(model, "arithmetic", n, gcfg, batch=16, warmup=False)
   out = tmp_path / "r.json"
   assert cli.main(["lm-eval", "--tasks", "dinfer_default_arithmetic", "--limit", str(n),

@@ -5,7 +5,7 @@ import threading
 import pytest
 
 import dinfer_jax
-from dinfer_jax import cli
+from dinfer_jax import cli_common
 from dinfer_jax.serve.batcher import DynamicBatcher, Job, QueueFull, batch_buckets, bucket_for
 from dinfer_jax.answer import cut_at_stop, settled_prefix
 
@@ -37,7 +37,7 @@ def test_buckets():
 def test_batched_rows_equal_single_runs(default_model, default_gcfg):
   """Mixed prompt lengths (two prompt buckets) submitted together run in shared calls, padded to a batch
   bucket with invalid rows; every answer equals running its prompt alone."""
-  ids = cli.encode_prompts(default_model, QUESTIONS)
+  ids = cli_common.encode_prompts(default_model, QUESTIONS)
   assert len({len(p) for p in ids}) > 1
   alone = [dinfer_jax.generate(default_model, [p], default_gcfg).tokens[0] for p in ids]
   calls = []
@@ -56,7 +56,7 @@ def test_batched_rows_equal_single_runs(default_model, default_gcfg):
 def test_streaming_jobs_get_tokens_block_by_block(default_model, default_gcfg):
   import dataclasses
   default_gcfg = dataclasses.replace(default_gcfg, block_length=4)  # two blocks, so two streamed updates
-  ids = cli.encode_prompts(default_model, [QUESTIONS[2], QUESTIONS[0]])
+  ids = cli_common.encode_prompts(default_model, [QUESTIONS[2], QUESTIONS[0]])
   got, done = [], threading.Event()
   b = DynamicBatcher(default_model, max_batch=2, window_s=0.2)
   final = {}
@@ -73,7 +73,7 @@ def test_streaming_jobs_get_tokens_block_by_block(default_model, default_gcfg):
 
 
 def test_queue_bound_and_cancelled_jobs_are_dropped(default_model, default_gcfg):
-  ids = cli.encode_prompts(default_model, QUESTIONS[:3])
+  ids = cli_common.encode_prompts(default_model, QUESTIONS[:3])
   dropped = []
   b = DynamicBatcher(default_model, max_batch=4, window_s=0.0, max_queue=2, on_drop=dropped.append)
   jobs, out, _ = _collect(b, [(ids[0], None, 1, 0), (ids[1], None, 1, 0)], default_gcfg)
@@ -98,7 +98,7 @@ def test_queue_bound_and_cancelled_jobs_are_dropped(default_model, default_gcfg)
 def test_seeded_sampling_runs_alone_and_reproduces(default_model, default_gcfg):
   """A sampled request's n choices are rows 0..n-1 of one call with its seed, whatever else is queued."""
   g = default_gcfg.replace(temperature=1.0)
-  ids = cli.encode_prompts(default_model, QUESTIONS[:2])
+  ids = cli_common.encode_prompts(default_model, QUESTIONS[:2])
   ref = dinfer_jax.generate(default_model, [ids[0]] * 3, g, seed=7).tokens
   b = DynamicBatcher(default_model, max_batch=4, window_s=0.2)
   _, out, done = _collect(b, [(ids[1], None, 1, 0), (ids[0], g, 3, 7), (ids[1], g, 1, 3)], default_gcfg)
@@ -148,8 +148,8 @@ def test_serve_warms_the_prompt_rule_programs_too(monkeypatch):
   args = p.parse_args(["serve", "--warmup-max-prompt-len", "48"])
   serve_cli.build(args, log=lambda m: None)
   assert warmed == [(8, (16, 32, 48)), (32, (16, 32, 48))]
-  rules = cli.rule_generation_configs(args, dinfer_jax.load().path)
+  rules = cli_common.rule_generation_configs(args, dinfer_jax.load().path)
   assert [g.gen_length for g in rules] == [32] and rules[0].block_length == 8
   # a flag given on the command line still wins over the rule
   args = p.parse_args(["serve", "--gen-length", "16"])
-  assert [g.gen_length for g in cli.rule_generation_configs(args, dinfer_jax.load().path)] == [16]
+  assert [g.gen_length for g in cli_common.rule_generation_configs(args, dinfer_jax.load().path)] == [16]

@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 import dinfer_jax  # noqa: E402
-from dinfer_jax import cli  # noqa: E402
+from dinfer_jax import cli, cli_common  # noqa: E402
 
 QUESTIONS = ["What is 348+279?", "12 x 13", "f(0..5)=2,5,8,11,14,17", "905-417", "61*7", "f(0..5)=1,3,5,7,9,11",
              "What is 7 + 8?", "f(0..5)=0,2,4,6,8,10", "999-1", "What is 25 times 4?", "3+4", "f(0..5)=9,8,7,6,5,4"]
@@ -72,7 +72,7 @@ def model(default_model):
 def alone(model, default_gcfg):
   """Each question's answer run alone through dinfer_jax.generate, decoded as the server decodes."""
   gcfg = default_gcfg
-  ids = cli.encode_prompts(model, QUESTIONS)
+  ids = cli_common.encode_prompts(model, QUESTIONS)
   return {q: model.tokenizer.decode(dinfer_jax.generate(model, [p], gcfg).tokens[0], skip_special_tokens=True)
           for q, p in zip(QUESTIONS, ids)}
 

@@ -294,14 +294,14 @@ def test_default_td_resolves_like_default_once_installed(tmp_path, monkeypatch, 
   shutil.copytree(tiny_model_dir, tmp_path / "default-td")
   m = dinfer_jax.load("default-td")
   assert m.path == str(tmp_path / "default-td") and m.config.d_model == 32
-  from dinfer_jax import cli
+  from dinfer_jax import cli, cli_common
   assert cli.main(["generate", "--model", "default-td", "3 + 4", "-v"]) == 0
   assert "nfe" in capsys.readouterr().err
 
 
 def test_prompt_rules_pick_the_long_settings_for_long_tasks(tmp_path):
   import argparse
-  from dinfer_jax import cli
+  from dinfer_jax import cli, cli_common
   # A run that trained sort gets its rule; one that did not keeps the plain defaults.
   assert export_lib.run_generation_config(trainer.TrainConfig(mix=(("arithmetic", 1.0),))) == \
       export_lib.DEFAULT_GENERATION
@@ -310,13 +310,13 @@ def test_prompt_rules_pick_the_long_settings_for_long_tasks(tmp_path):
   (tmp_path / "generation_config.json").write_text(json.dumps(gen))
   from train_td import tokenizer as tok_lib
   args = argparse.Namespace()
-  short = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 3 + 4?"))
-  long = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("sort 4, 7, 9"))
+  short = cli_common.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 3 + 4?"))
+  long = cli_common.generation_config(args, str(tmp_path), tok_lib.format_chat("sort 4, 7, 9"))
   assert (short.gen_length, short.block_length) == (8, 8)
   assert (long.gen_length, long.block_length) == (data_lib.DEFAULT_TASK_ANSWER_LEN["sort"], 8)
   assert long.cache == "dual" and long.threshold == 0.9  # the rest from the file's defaults
   # Flags still win over the rule.
-  assert cli.generation_config(argparse.Namespace(gen_length=16), str(tmp_path),
+  assert cli_common.generation_config(argparse.Namespace(gen_length=16), str(tmp_path),
                                tok_lib.format_chat("sort 1 2")).gen_length == 16
   # Every sort answer fits the rule's region with its <|eos|>.
   assert tasks_lib.get_task("sort").answer_chars + 1 <= long.gen_length
@@ -324,10 +324,10 @@ def test_prompt_rules_pick_the_long_settings_for_long_tasks(tmp_path):
   gen = export_lib.run_generation_config(trainer.TrainConfig(mix=(("arithmetic", 0.6), ("add", 0.4))))
   assert gen["prompt_rules"] == [export_lib.TASK_PROMPT_RULES["add"]]
   (tmp_path / "generation_config.json").write_text(json.dumps(gen))
-  add = cli.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 12345678901 + 98765432109?"))
+  add = cli_common.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 12345678901 + 98765432109?"))
   assert (add.gen_length, add.block_length) == (data_lib.DEFAULT_TASK_ANSWER_LEN["add"], 8)
   assert tasks_lib.get_task("add").answer_chars + 1 <= add.gen_length
-  assert cli.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 3 + 4?")).gen_length == 8
+  assert cli_common.generation_config(args, str(tmp_path), tok_lib.format_chat("What is 3 + 4?")).gen_length == 8
 
 
 def test_eval_compares_models_at_the_first_models_settings(tmp_path, capsys):

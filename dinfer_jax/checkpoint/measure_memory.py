@@ -1,6 +1,6 @@
 """Measures the peak host memory (max RSS) of hf2jax / jax2hf / load_converted on a generated checkpoint.
 
-  python -m convert.measure_memory [--size-gb 1.5] [--workdir DIR] [--keep] [--naive]
+  python -m dinfer_jax.checkpoint.measure_memory [--size-gb 1.5] [--workdir DIR] [--keep] [--naive]
 
 Writes a random bf16 HF LLaDA-MoE checkpoint (sharded, per-expert layout) of about --size-gb, then runs
 each step in a fresh subprocess and reads that child's ru_maxrss with os.wait4. A bare import of the
@@ -20,9 +20,6 @@ import subprocess
 import sys
 import tempfile
 import time
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 def make_config(size_gb: float) -> dict:
   """A LLaDA-MoE config (real-model proportions, smaller dims) with about size_gb of bf16 weights."""
@@ -87,7 +84,7 @@ def peak_rss_out(cmd: list[str]) -> tuple[int, float, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   t0 = time.time()
-  r = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], cwd=ROOT, env=env, capture_output=True, text=True)
+  r = subprocess.run([sys.executable, "-S", "-c", _LAUNCHER, *cmd], env=env, capture_output=True, text=True)
   tail = [ln for ln in r.stderr.splitlines() if ln.startswith("MAXRSS_KIB")]
   if r.returncode != 0 or not tail or tail[-1].split()[2] != "0":
     raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}")
@@ -118,7 +115,7 @@ def measure_mesh_load(size_gb: float, workdir: pathlib.Path) -> dict:
   """Peak RSS of dinfer_jax.load(path, mesh=tensor 2 x expert 4) from an HF and a converted checkpoint."""
   py = sys.executable
   info = write_random_hf(workdir / "hf", make_config(size_gb))
-  subprocess.run([py, "-m", "convert", "hf2jax", str(workdir / "hf"), str(workdir / "jax_bf16")], cwd=ROOT,
+  subprocess.run([py, "-m", "dinfer_jax.checkpoint.cli", "hf2jax", str(workdir / "hf"), str(workdir / "jax_bf16")],
                  check=True, capture_output=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   results = {}
   for name, arg in (("baseline (import, 8 devices, mesh)", "-"), ("load HF onto mesh", str(workdir / "hf")),
@@ -145,9 +142,9 @@ def measure(size_gb: float, workdir: pathlib.Path, naive: bool = False) -> dict:
   steps = {
       "baseline (import jax, orbax, converter)": [py, "-c", "import jax, orbax.checkpoint, dinfer_jax.checkpoint; "
                                                    "jax.process_index()"],
-      "hf2jax bf16": [py, "-m", "convert", "hf2jax", str(workdir / "hf"), str(workdir / "jax_bf16")],
-      "hf2jax f32": [py, "-m", "convert", "hf2jax", str(workdir / "hf"), str(workdir / "jax_f32"), "--dtype", "float32"],
-      "jax2hf bf16": [py, "-m", "convert", "jax2hf", str(workdir / "jax_bf16"), str(workdir / "hf_back")],
+      "hf2jax bf16": [py, "-m", "dinfer_jax.checkpoint.cli", "hf2jax", str(workdir / "hf"), str(workdir / "jax_bf16")],
+      "hf2jax f32": [py, "-m", "dinfer_jax.checkpoint.cli", "hf2jax", str(workdir / "hf"), str(workdir / "jax_f32"), "--dtype", "float32"],
+      "jax2hf bf16": [py, "-m", "dinfer_jax.checkpoint.cli", "jax2hf", str(workdir / "jax_bf16"), str(workdir / "hf_back")],
       "load_converted bf16": [py, "-c", "import sys; from dinfer_jax.checkpoint import load_converted; "
                               "import jax; p = load_converted(sys.argv[1])[0]; jax.block_until_ready(p)",
                               str(workdir / "jax_bf16")],

@@ -1,0 +1,255 @@
+"""The command-line pieces every entry point shares: `dinfer-jax generate`, `serve`, `bench`, `lm-eval` and
+train_td's `eval` / `collect` all take their model and generation flags, the model's own defaults
+(generation_config.json and its prompt rules) and their prompt encoding from here, so that a knob means the
+same thing everywhere. Nothing here imports an entry point (dinfer_jax.cli imports this module, never the
+other way round).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+from typing import Any, Iterator, Sequence
+
+from dinfer_jax.engine.config import GenerationConfig
+
+DTYPES = ("float32", "bfloat16")
+
+
+def add_model_flags(ap: argparse.ArgumentParser, *, dtype: bool = True) -> None:
+  """--model (a directory, or a shipped model's name) and --dtype, the same for every command."""
+  ap.add_argument("--model", default="default",
+                  help="model directory (HF or converted) or a shipped model (default, default-td); "
+                       "default: %(default)s")
+  if dtype:
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
+
+
+GENERATION_DEFAULTS_FILE = "generation_config.json"
+
+
+def add_generation_flags(ap: argparse.ArgumentParser, model_defaults: dict[str, Any] | None = None) -> None:
+  """One flag per GenerationConfig knob (--gen-length, --block-length, ...). Unset flags stay absent from
+  the namespace so that a model's own defaults (its generation_config.json) can fill them; `model_defaults`
+  (that file's knobs) are shown in the help."""
+  from dinfer_jax.engine.config import CACHES, DECODERS
+  model_defaults = model_defaults or {}
+  g = ap.add_argument_group("generation (GenerationConfig; defaults: the model's generation_config.json, "
+                            "then the dataclass)")
+  choices = {"decoder": DECODERS, "cache": CACHES}
+  for f in dataclasses.fields(GenerationConfig):
+    flag = "--" + f.name.replace("_", "-")
+    shown = (f"default {model_defaults[f.name]!r} (the model's generation_config.json; dataclass "
+             f"{f.default!r})" if f.name in model_defaults else f"default {f.default!r}")
+    if f.type in ("bool", bool):
+      g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                     help=shown)
+    else:
+      typ = int if f.name in ("mask_id", "eos_id") else {"int": int, "float": float, "str": str}.get(
+          str(f.type), type(f.default))
+      # Choices are listed, not enforced by argparse: GenerationConfig's one-line error names a bad value.
+      listed = choices.get(f.name)
+      g.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS,
+                     metavar="{" + ",".join(listed) + "}" if listed else None,
+                     help=(f"one of {', '.join(listed)}; " if listed else "") + shown)
+
+
+# generation_config.json may hold per-prompt overrides: "prompt_rules": [{"prefix": TEXT, knob: value, ...}].
+# The first rule whose prefix starts the prompt (as the model sees it: chat template applied, special tokens
+# written out) overrides the file's defaults, e.g. a longer gen_length for a task whose answers are long, so
+# that a long question is never cut off at the short default.
+PROMPT_RULES = "prompt_rules"
+
+
+def read_generation_file(model_path: str | None) -> dict[str, Any]:
+  if not model_path:
+    return {}
+  f = pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE
+  if not f.exists():
+    return {}
+  try:
+    data = json.loads(f.read_text())
+  except (OSError, UnicodeDecodeError, ValueError) as e:
+    raise ValueError(f"{f}: cannot parse: {e}") from None
+  if not isinstance(data, dict):
+    raise ValueError(f"{f}: expected a JSON object")
+  return data
+
+
+def _known_knobs(data: dict[str, Any]) -> dict[str, Any]:
+  known = {fl.name for fl in dataclasses.fields(GenerationConfig)}
+  return {k: v for k, v in data.items() if k in known}
+
+
+def model_generation_defaults(model_path: str | None, prompt_text: str | None = None) -> dict[str, Any]:
+  """GenerationConfig knobs a model directory recommends (generation_config.json, dinfer-jax keys only),
+  with the first matching prompt rule applied when `prompt_text` is given."""
+  data = read_generation_file(model_path)
+  knobs = _known_knobs(data)
+  if prompt_text is not None:
+    for rule in data.get(PROMPT_RULES, []):
+      if prompt_text.startswith(rule.get("prefix", "")):
+        knobs.update(_known_knobs(rule))
+        break
+  return knobs
+
+
+def generation_config(args: argparse.Namespace, model_path: str | None = None,
+                      prompt_text: str | None = None) -> GenerationConfig:
+  """Dataclass defaults < the model's generation_config.json (< its rule for `prompt_text`) < flags given
+  on the command line.
+
+  A value from generation_config.json that is invalid (and not overridden by a flag) is reported as
+  coming from that file.
+  """
+  from_file = model_generation_defaults(model_path, prompt_text)
+  flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
+  try:
+    return GenerationConfig(**{**from_file, **flags})
+  except (TypeError, ValueError) as e:
+    kept = {k: v for k, v in from_file.items() if k not in flags}
+    try:
+      GenerationConfig(**kept)
+    except (TypeError, ValueError) as file_error:
+      f = pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE
+      raise ValueError(f"{f}: {file_error} (a default from the model's {GENERATION_DEFAULTS_FILE}; "
+                       "fix the file or override it with the matching flag)") from None
+    raise ValueError(str(e)) from None
+
+
+def rule_generation_configs(args: argparse.Namespace, model_path: str | None) -> list[GenerationConfig]:
+  """The distinct GenerationConfigs the model's prompt rules give (flags still win), in rule order: what
+  a server must compile besides its default config so the first long question does not wait for it."""
+  out: list[GenerationConfig] = []
+  for rule in read_generation_file(model_path).get(PROMPT_RULES, []):
+    g = generation_config(args, model_path, rule.get("prefix", ""))
+    if g not in out:
+      out.append(g)
+  return out
+
+
+def knob_sources(args: argparse.Namespace, model_path: str | None) -> dict[str, str]:
+  """knob -> where its value came from, for messages."""
+  out = {}
+  for k in model_generation_defaults(model_path):
+    out[k] = str(pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE)
+  for f in dataclasses.fields(GenerationConfig):
+    if hasattr(args, f.name):
+      out[f.name] = "--" + f.name.replace("_", "-")
+  return out
+
+
+def encode_prompts(model, prompts: Sequence[Any], *, raw: bool = False, system: str | None = None,
+                   warn: bool = True) -> list[list[int]]:
+  """Text -> token ids, through the tokenizer's chat template when it has one. A prompt may also be a list
+  of chat messages ({"role", "content"}); `system` adds a system message before a text prompt's user turn.
+  Without a tokenizer the prompts must be token ids ("12,7,99" or "12 7 99")."""
+  tok = model.tokenizer
+  out = []
+  for i, p in enumerate(prompts):
+    if tok is None:
+      if not isinstance(p, str):
+        raise SystemExit(f"error: the model at {model.path} has no tokenizer (nor chat template); prompt {i} "
+                         "is a chat")
+      try:
+        out.append([int(t) for t in p.replace(",", " ").split()])
+      except ValueError:
+        raise SystemExit(f"error: the model at {model.path} has no tokenizer; give prompts as token ids "
+                         f"like '12,7,99' (got {p!r})") from None
+      continue
+    if isinstance(p, str) and (raw or not getattr(tok, "chat_template", None)):
+      out.append(tok.encode(p, add_special_tokens=False))
+    else:
+      if not getattr(tok, "chat_template", None):
+        raise ValueError(f"prompt {i} is a chat, but the model at {model.path} has no chat template")
+      msgs = p if not isinstance(p, str) else ([{"role": "system", "content": system}] if system else []) + [
+          {"role": "user", "content": p}]
+      text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+      out.append(tok.encode(text, add_special_tokens=False))
+    if warn:
+      warn_unknown_characters(model, i, p, out[-1])
+  return out
+
+
+def warn_unknown_characters(model, index: int, prompt, ids: Sequence[int]) -> list[str]:
+  """Warns (stderr) about the characters of a prompt that the tokenizer maps to its unknown token: the
+  model never sees them. Returns them."""
+  tok = model.tokenizer
+  unk = getattr(tok, "unk_token_id", None)
+  if unk is None or unk not in ids:
+    return []
+  text = prompt if isinstance(prompt, str) else " ".join(m["content"] for m in prompt)
+  bad = sorted({c for c in text if not c.isspace() and tok.encode(c, add_special_tokens=False) == [unk]})
+  shown = ", ".join(repr(c) for c in bad) if bad else "some characters"
+  print(f"warning: prompt {index}: {shown} not in the tokenizer's vocabulary (the model sees "
+        f"{tok.unk_token!r} instead)", file=sys.stderr)
+  return bad
+
+
+def decode_tokens(model, ids: Sequence[int]) -> str:
+  tok = model.tokenizer
+  if tok is None:
+    return " ".join(str(i) for i in ids)
+  return tok.decode(list(ids), skip_special_tokens=True)
+
+
+# ------------------------------------------------------------------- showing the commit order
+MASK_GLYPH = "_"
+
+
+def _steps(model, canvas: Sequence[int], commit: Sequence[int], prompt_len: int,
+           nfe: int) -> Iterator[tuple[int, list[str], list[int]]]:
+  """Per forward k: (k, the generated region's cells: committed pieces, '' for a masked position and None
+  for one never generated, the positions committed at k)."""
+  piece = [_piece(model, t) for t in canvas[prompt_len:]]
+  for k in range(1, nfe + 1):
+    cells = [piece[j] if 0 < c <= k else (None if c == -1 else "") for j, c in enumerate(commit)]
+    yield k, cells, [j for j, c in enumerate(commit) if c == k]
+
+
+def render_steps(model, canvas: Sequence[int], commit: Sequence[int], prompt_len: int, nfe: int,
+                 mask_glyph: str = MASK_GLYPH) -> list[str]:
+  """One line per forward: the generated region with the tokens committed so far (masks as '_'),
+  the newly committed ones in [brackets]."""
+  lines = []
+  for k, cells, new in _steps(model, canvas, commit, prompt_len, nfe):
+    shown = [f"[{x}]" if j in new else (mask_glyph if x == "" else x or "") for j, x in enumerate(cells)]
+    joined = "".join(shown) if model.tokenizer else " ".join(x for x in shown if x)
+    lines.append(f"{k:4d} +{len(new):<3d} " + joined)
+  return lines
+
+
+def step_records(model, canvas: Sequence[int], commit: Sequence[int], prompt_len: int, nfe: int) -> list[dict]:
+  """--json --show-steps: per forward, the positions (in the answer) it committed, their tokens and text."""
+  gen = list(canvas[prompt_len:])
+  return [{"step": k, "positions": new, "tokens": [int(gen[j]) for j in new], "text": [cells[j] for j in new]}
+          for k, cells, new in _steps(model, canvas, commit, prompt_len, nfe)]
+
+
+def _piece(model, t: int) -> str:
+  if model.tokenizer is None:
+    return str(t)
+  return model.tokenizer.decode([t], skip_special_tokens=False)
+
+
+def model_arg(argv: Sequence[str]) -> str:
+  """The --model value of a generate/serve/bench command line, read before parsing (for the help)."""
+  for i, a in enumerate(argv):
+    if a == "--model" and i + 1 < len(argv):
+      return argv[i + 1]
+    if a.startswith("--model="):
+      return a.split("=", 1)[1]
+  return "default"
+
+
+def help_defaults(argv: Sequence[str]) -> dict[str, Any]:
+  """The model's generation_config.json knobs, for the help text ({} if the model cannot be found)."""
+  if not any(a in ("-h", "--help") for a in argv):
+    return {}
+  try:
+    from dinfer_jax.api import resolve_path
+    return model_generation_defaults(str(resolve_path(model_arg(argv))))
+  except (OSError, ValueError):
+    return {}
