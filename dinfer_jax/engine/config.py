@@ -33,6 +33,11 @@ class GenerationConfig:
     start_block_align: the first block starts at floor(P / B) * B instead of P (dInfer's benchmark default).
     mask_id, eos_id: default to the model config's.
     prompt_bucket: prompts are padded up to a multiple of this (one compiled program per bucket).
+    dinfer_compat: run dInfer's exact forward sequence, forwards that cannot commit anything included: the
+      cached step it owes after every refresh (even when the refresh committed the whole block), and block
+      diffusion's clean-K/V forward after the last block or a block that ends the row with an EOS (whose
+      K/V nothing reads). Off (the default), those forwards are skipped: the same tokens, fewer forwards.
+      The parity tests against dInfer's traces set it.
   """
   gen_length: int = 128
   block_length: int = 32
@@ -54,6 +59,7 @@ class GenerationConfig:
   mask_id: int | None = None
   eos_id: int | None = None
   prompt_bucket: int = 32
+  dinfer_compat: bool = False
 
   def __post_init__(self):
     def bad(knob, msg):

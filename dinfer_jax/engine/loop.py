@@ -199,7 +199,8 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     bst = dict(st)
     bst["dec"] = _init_rows(decoder, blk(st["canvas"]), maskable)
     bst["refreshed"] = jnp.zeros((Bsz,), bool)
-    bst["forced"] = jnp.zeros((Bsz,), bool)  # the cached step owed after a refresh, even if nothing is left
+    # dinfer_compat: the cached step dInfer owes after a refresh, run even when the refresh left no mask.
+    bst["forced"] = jnp.zeros((Bsz,), bool)
     bst["final"] = jnp.zeros((Bsz,), bool)  # block diffusion's clean-K/V forward after the last commit
     bst["iters"] = jnp.zeros((), jnp.int32)
     bst = _constrain(bst)
@@ -317,10 +318,16 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       if grid.windows:
         nb["n_window"] = b["n_window"].at[win].add(ran_cached)
       nb["refreshed"] = b["refreshed"] | refresh_rows
-      nb["forced"] = jnp.where(refresh_rows, True, jnp.where(use_cached, False, b["forced"]))
+      if gcfg.dinfer_compat:
+        nb["forced"] = jnp.where(refresh_rows, True, jnp.where(use_cached, False, b["forced"]))
       if mode == "block_diffusion":
         masks_after = has_masks(nb["canvas"])
-        nb["final"] = jnp.where(active & masks_before & ~masks_after, True,
+        # The clean-K/V forward is for the blocks after this one: none after the last block, nor after an
+        # EOS that ends the row (dinfer_compat runs it anyway).
+        ends_row = (blk(nb["canvas"]) == eos_id).any(axis=1) if gcfg.early_stop else jnp.zeros((Bsz,), bool)
+        more = (valid & (col[None, :] >= s + L)).any(axis=1)  # the row's canvas goes on after this block
+        wanted = jnp.full((Bsz,), True) if gcfg.dinfer_compat else more & ~ends_row
+        nb["final"] = jnp.where(active & masks_before & ~masks_after & wanted, True,
                                 jnp.where(active & ~masks_before, False, b["final"]))
       return _constrain(nb)
 

@@ -314,7 +314,7 @@ def _blockwise(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
                                   logits_range=None if smoothing else (s - a, e - s))
       if kind == "refresh":
         cache = kv
-        owed_cached_step = True
+        owed_cached_step = gcfg.dinfer_compat  # dInfer's cached step after a refresh, even with no mask left
       elif kind == "cached":
         owed_cached_step = False
       forwards.append((kind, a, b))
@@ -387,13 +387,15 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
         fblock.append(len(blocks) - 1)
       n += 1
       state = decode(state, logits, s, e)
-    if use_cache and last_input_had_masks:
+    ends_row = (x[s:e] == eos_id).any() and gcfg.early_stop
+    # The clean K/V serve the blocks after this one: none after the last block or an EOS that ends the row.
+    if use_cache and last_input_had_masks and (gcfg.dinfer_compat or (e < T and not ends_row)):
       logits, kv = runner.forward(params, cfg, x[s:e], s, cache=kv, logits_range=(0, B))  # clean K/V
       forwards.append(("final", s, e))
       fblock.append(len(blocks) - 1)
       n += 1
       state = decode(state, logits, s, e)  # commits nothing: the block has no masks
-    if (x[s:e] == eos_id).any() and gcfg.early_stop:
+    if ends_row:
       x[e:] = eos_id
       break
     s += B

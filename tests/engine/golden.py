@@ -51,7 +51,8 @@ def trace_config(case: dict) -> GenerationConfig:
             threshold=c["threshold"], cache=c["cache"] or "none", prefix_look=c["prefix_look"] or 0,
             after_look=c["after_look"] or 0, warmup_steps=c["warmup_steps"] or 0,
             cont_weight=c["cont_weight"] or 0.0, temperature=c["temperature"], early_stop=c["early_stop"],
-            start_block_align=c["start_block_align"], mask_id=c["mask_id"], eos_id=c["eos_id"])
+            start_block_align=c["start_block_align"], mask_id=c["mask_id"], eos_id=c["eos_id"],
+            dinfer_compat=True)  # dInfer's exact forward sequence, the forwards that commit nothing included
   if decoder == "hierarchy":
     kw["low_threshold"] = c["low_threshold"]
   if decoder == "credit":

@@ -293,3 +293,17 @@ def test_llada2_early_stop_rows_equal_reference(cache):
 @pytest.mark.slow
 def test_llada2_block_diffusion_batch1():
   check_against_reference("llada2", [LLADA2_ROWS[1]], make_config("threshold", "prefix", False, gen_length=G2))
+
+
+@pytest.mark.parametrize("name", ["llada2", "llada2_eos"])
+def test_llada2_skips_the_clean_kv_forward_nothing_reads(name):
+  """Block diffusion by default: no clean-K/V forward after the last block or after a block whose EOS ends
+  the row (dInfer runs one: dinfer_compat). Same tokens; one forward fewer per such row."""
+  base = make_config("threshold", "prefix", False, gen_length=G2)
+  compat, _ = check_against_reference(name, LLADA2_ROWS, base.replace(dinfer_compat=True))
+  res, refs = check_against_reference(name, LLADA2_ROWS, base)
+  assert res.canvas == compat.canvas
+  for r, ref in enumerate(refs):
+    kinds = [k for k, _, _ in ref.forwards]
+    assert res.row_nfe[r] == compat.row_nfe[r] - 1, (r, kinds)
+    assert kinds[-1] == "cached"  # the row's last forward commits its last tokens

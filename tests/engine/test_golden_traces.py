@@ -108,3 +108,46 @@ def test_double_refresh_cases_refresh_once(name):
   for pos, step in enumerate(case["commit_step"]):
     if 1 <= step <= j:
       assert ref.commit_step[pos] == step and ref.canvas[P + pos] == case["canvas"][P + pos]
+
+
+def _without_idle_forwards(case: dict) -> tuple[list[int], int]:
+  """A trace as the engine runs it by default (dinfer_compat off): dInfer's cached step after a refresh
+  that committed nothing is dropped and the later forwards renumbered. Returns (commit_step, num_forwards)."""
+  kinds = [f["kind"] for f in case["forwards"]]
+  used = set(case["commit_step"])
+  idle = {k for k in range(2, len(kinds) + 1)  # 1-based forward index
+          if kinds[k - 1] == "cached" and kinds[k - 2] == "full_refresh" and k not in used}
+  new_index = {}
+  for k in range(1, len(kinds) + 1):
+    if k not in idle:
+      new_index[k] = len(new_index) + 1
+  return [new_index.get(c, c) if c > 0 else c for c in case["commit_step"]], len(kinds) - len(idle)
+
+
+CACHED_CASES = [c for c in CASES if c["config"]["cache"]]
+
+
+def test_some_traces_have_idle_forwards():
+  """What the default saves on dInfer's own traces (so the test below compares something)."""
+  saved = [c["num_forwards"] - _without_idle_forwards(c)[1] for c in CACHED_CASES]
+  assert sum(saved) == 9 and sum(s > 0 for s in saved) == 5, saved
+  assert all(c["num_forwards"] > _without_idle_forwards(c)[1] for c in CACHED_CASES if c["name"] in DEFAULT_IDLE)
+
+
+# Default run: one dual and one prefix case where dInfer's trace has an idle forward (5 traces have one).
+DEFAULT_IDLE = {"A/d_thr0.9_dual/p1", "dense/c_thr0.9_prefix/p2"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c["name"], marks=() if c["name"] in DEFAULT_IDLE
+                                               else pytest.mark.slow) for c in CACHED_CASES])
+def test_engine_without_idle_forwards_matches_trace(case):
+  """Default engine (no forward that cannot commit): the same canvas, the same commit order, fewer forwards."""
+  params, cfg = load_model(case["name"].split("/")[0])
+  gcfg = trace_config(case).replace(dinfer_compat=False)
+  res = generate((params, cfg), [case["prompt_ids"]], gcfg, seed=0)
+  commit, nfe = _without_idle_forwards(case)
+  assert res.canvas[0] == case["canvas"]
+  assert res.commit_step[0] == commit
+  assert res.nfe == nfe and res.row_nfe == [nfe]
+  ref = reference_generate(params, cfg, case["prompt_ids"], gcfg)
+  assert ref.canvas == case["canvas"] and ref.commit_step == commit and ref.nfe == nfe
