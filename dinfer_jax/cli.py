@@ -26,6 +26,8 @@ def _print_answer(args: argparse.Namespace, model, prompts: Sequence[Any], r: in
   if args.json:
     out = {"prompt": prompts[r], "answer": text, "tokens": len(toks), "nfe": res.row_nfe[i],
            "tpf": len(toks) / res.row_nfe[i] if res.row_nfe[i] else 0.0, "stopped": stopped}
+    if args.trained_task is not None:  # the model lists its trained tasks: which one (null: none)
+      out["trained_task"] = args.trained_task[r]
     if args.show_steps:
       out["steps"] = step_records(model, *steps)
     print(json.dumps(out), flush=True)
@@ -53,6 +55,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
   model = dinfer_jax.load(args.model, dtype=args.dtype, mesh=mesh)
   from dinfer_jax import diagnostics
   ids = encode_prompts(model, prompts, raw=args.raw, system=args.system)
+  names = cli_common.trained_tasks(model)
+  args.trained_task = None if names is None else cli_common.prompt_tasks(model, names, ids)
+  for r, task in enumerate(args.trained_task or []):
+    if task is None:
+      cli_common.warn_outside_training(r, names)
   # Prompts whose generation settings differ (a prompt rule of the model) run as separate batches.
   groups: dict[GenerationConfig, list[int]] = {}
   for r, row in enumerate(ids):

@@ -195,6 +195,28 @@ def decode_tokens(model, ids: Sequence[int]) -> str:
   return tok.decode(list(ids), skip_special_tokens=True)
 
 
+# generation_config.json may list the tasks the model was trained on ("trained_tasks": train_td task names):
+# a prompt outside all of them still gets its answer, with a warning that it is likely wrong.
+TRAINED_TASKS = "trained_tasks"
+
+
+def trained_tasks(model) -> list[str] | None:
+  """The tasks the model lists as trained (None: it does not say, or has no tokenizer to read prompts)."""
+  names = read_generation_file(model.path).get(TRAINED_TASKS) if model.path else None
+  return list(names) if names and model.tokenizer is not None else None
+
+
+def prompt_tasks(model, names: Sequence[str], ids: Sequence[Sequence[int]]) -> list[str | None]:
+  """Per prompt (token ids, chat template applied), the trained task it falls in, or None."""
+  from train_td.prompting import task_of_prompt
+  return [task_of_prompt(names, model.tokenizer, row) for row in ids]
+
+
+def warn_outside_training(index: int, names: Sequence[str]) -> None:
+  print(f"warning: prompt {index} is outside what the model was trained on ({', '.join(names)}): its answer "
+        "is likely wrong", file=sys.stderr)
+
+
 # ------------------------------------------------------------------- showing the commit order
 MASK_GLYPH = "_"
 

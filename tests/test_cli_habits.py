@@ -178,3 +178,16 @@ def test_no_module_imports_the_cli_back():
                       if n == "dinfer_jax.cli" or n.startswith("dinfer_jax.cli.")]
   assert offenders == []
   assert not (root / "convert" / "measure_memory.py").exists()  # convert/ is the entry point only
+
+
+def test_prompts_outside_the_models_training_are_flagged(capsys):
+  assert cli.main(["generate", "--json", "61 x 7", "12 x 13", "What is 5-9?", "Hello, who are you?"]) == 0
+  out = capsys.readouterr()
+  rows = _json_lines(out.out)
+  assert [r["trained_task"] for r in rows] == ["arithmetic", None, None, None]
+  assert all(r["answer"] for r in rows)  # answered all the same
+  warned = [l for l in out.err.splitlines() if l.startswith("warning: prompt")]
+  assert warned == [f"warning: prompt {i} is outside what the model was trained on (arithmetic, program, add): "
+                    "its answer is likely wrong" for i in (1, 2, 3)]
+  assert cli.main(["generate", "What is 348+279?"]) == 0
+  assert "outside what the model" not in capsys.readouterr().err

@@ -120,14 +120,17 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
 
 
 def run_generation_config(tc) -> dict[str, Any]:
-  """generation_config.json for a trained run: the defaults with gen_length = the run's answer region, and
-  a prompt rule for each long-answer task of its mix."""
+  """generation_config.json for a trained run: the defaults with gen_length = the run's answer region, a
+  prompt rule for each long-answer task of its mix, and the tasks it was trained on."""
   gen = dict(DEFAULT_GENERATION)
   if tc.answer_len != DEFAULT_GENERATION["gen_length"]:
     gen.update(gen_length=tc.answer_len, block_length=tc.answer_len)
   rules = [TASK_PROMPT_RULES[name] for name, w in tc.mix if w > 0 and name in TASK_PROMPT_RULES]
   if rules:
     gen["prompt_rules"] = rules
+  # The built-in tasks it learned: `dinfer-jax generate` warns about a prompt outside all of them.
+  from train_td.tasks import get_task
+  gen["trained_tasks"] = [name for name, w in tc.mix if w > 0 and not get_task(name).chat]
   return gen
 
 

@@ -51,3 +51,12 @@ def prompt_text(tokenizer, task: Task, problem: Problem, where=None) -> str:
                                            add_generation_prompt=True)
     return problem.prompt
   return tok_lib.format_chat(problem.prompt)
+
+
+def task_of_prompt(task_names: Sequence[str], tokenizer, ids: Sequence[int]) -> str | None:
+  """Which of a model's trained tasks a prompt (token ids, chat template applied) falls in; None: none of
+  them. The user turn is read back in the tasks' own format ("<|user|> 12* 13<|assistant|>" -> " 12* 13")."""
+  from train_td.tasks import trained_task_of
+  text = tokenizer.decode(list(ids), skip_special_tokens=False)
+  user = text.rsplit(tok_lib.USER_TOKEN, 1)[-1].split(tok_lib.ASSISTANT_TOKEN, 1)[0]
+  return trained_task_of(task_names, user)

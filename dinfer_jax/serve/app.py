@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from dinfer_jax.cli_common import prompt_tasks, trained_tasks
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.serve.batcher import DynamicBatcher, Job, QueueFull
 from dinfer_jax.serve.metrics import Metrics
@@ -79,6 +80,7 @@ class ServerConfig:
 def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
   app = FastAPI(title="dinfer-jax", docs_url=None, redoc_url=None)
   tok = model.tokenizer
+  task_names = trained_tasks(model)
 
   @app.exception_handler(RequestValidationError)
   async def _invalid(request: Request, exc: RequestValidationError):
@@ -238,6 +240,8 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
     ptoks = sum(len(p) for p in prompts)
     nfe = sum(o[3] for o in outs)
     stats = {"nfe": nfe, "tpf": (sum(len(o[2]) for o in outs) / nfe) if nfe else 0.0}
+    if task_names is not None:  # per prompt, the trained task it falls in (null: outside them: likely wrong)
+      stats["trained_task"] = prompt_tasks(model, task_names, prompts)
     if chat:
       ch = [{"index": i, "message": {"role": "assistant", "content": o[0]}, "finish_reason": o[1],
              "logprobs": None} for i, o in enumerate(outs)]

@@ -108,6 +108,11 @@ def test_openai_client_round_trip(client, alone, model):
   assert r.choices[0].text == alone["61*7"]
   r2 = client.completions.create(model="default", prompt=tok.encode(text, add_special_tokens=False))
   assert r2.choices[0].text == r.choices[0].text
+  # The model lists its trained tasks: each answer says which one its prompt falls in (null: none).
+  r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "12 x 13"}])
+  assert r.model_extra["dinfer"]["trained_task"] == [None]
+  r = client.completions.create(model="default", prompt=[text, "<|user|>348+279<|assistant|>"])
+  assert r.model_extra["dinfer"]["trained_task"] == ["arithmetic", "arithmetic"]
 
 
 def test_stop_sequences_cut_the_answer(client, alone):

@@ -304,9 +304,10 @@ def test_prompt_rules_pick_the_long_settings_for_long_tasks(tmp_path):
   from dinfer_jax import cli, cli_common
   # A run that trained sort gets its rule; one that did not keeps the plain defaults.
   assert export_lib.run_generation_config(trainer.TrainConfig(mix=(("arithmetic", 1.0),))) == \
-      export_lib.DEFAULT_GENERATION
+      dict(export_lib.DEFAULT_GENERATION, trained_tasks=["arithmetic"])
   gen = export_lib.run_generation_config(trainer.TrainConfig(mix=(("arithmetic", 0.6), ("sort", 0.4))))
-  assert gen == dict(export_lib.DEFAULT_GENERATION, prompt_rules=[export_lib.TASK_PROMPT_RULES["sort"]])
+  assert gen == dict(export_lib.DEFAULT_GENERATION, prompt_rules=[export_lib.TASK_PROMPT_RULES["sort"]],
+                     trained_tasks=["arithmetic", "sort"])
   (tmp_path / "generation_config.json").write_text(json.dumps(gen))
   from train_td import tokenizer as tok_lib
   args = argparse.Namespace()

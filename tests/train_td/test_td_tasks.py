@@ -301,3 +301,24 @@ def test_split_problems_and_verifier():
     assert not SPLIT.check(p, wrong), wrong
   with pytest.raises(ValueError, match="digits"):
     tasks.SplitTask(digits=0)
+
+
+@pytest.mark.parametrize("name", ["arithmetic", "program", "add", "sort", "split"])
+def test_every_task_accepts_its_own_problems(name):
+  t = tasks.get_task(name)
+  rng = np.random.default_rng(3)
+  assert all(t.accepts(t.generate(rng).prompt) for _ in range(300))
+
+
+@pytest.mark.parametrize("prompt, task", [
+    (" 61*  7", "arithmetic"), ("348+279", "arithmetic"), ("  9-  5", "arithmetic"),
+    (" 12* 13", None),  # two-digit multiplier: trained on one digit only
+    ("  5-  9", None),  # negative result: never trained
+    ("12+3", None), ("1234+  5", None),  # not the column format the chat template writes
+    ("f(0..5)=2,5,8,11,14,17", "program"), ("f(0..3)=1,2,3,4", None),
+    ("add:" + f"{123456789:>24}+{987654321:>24}", "add"), ("add:" + f"{12345:>24}+{678:>24}", None),
+    ("sort:3,1,2", None),  # the default model's mix has no sort
+    ("Hello, who are you?", None), ("", None),
+])
+def test_trained_task_of_the_default_models_mix(prompt, task):
+  assert tasks.trained_task_of(["arithmetic", "program", "add"], prompt) == task

@@ -14,7 +14,7 @@ Built-in tasks ("arithmetic", "program", "sort", "add", "split") are registered 
 from train_td.tasks.arithmetic import ArithmeticTask
 from train_td.tasks.base import (Problem, Split, Task, check_all, get_task, iter_problems, key_split,
                                  problem_split, register_task, task_names, test_problems,
-                                 train_problems)
+                                 train_problems, trained_task_of)
 from train_td.tasks.longadd import LongAddTask
 from train_td.tasks.program import DOMAIN, FAMILIES, Family, ProgramTask, canonical_functions
 from train_td.tasks.sort import SortTask
@@ -29,5 +29,5 @@ SPLIT = register_task(SplitTask())
 __all__ = [
     "ADD", "ARITHMETIC", "ArithmeticTask", "LongAddTask", "DOMAIN", "FAMILIES", "Family", "PROGRAM", "Problem", "ProgramTask",
     "SORT", "SPLIT", "SortTask", "SplitTask", "Split", "Task", "canonical_functions", "check_all", "get_task", "iter_problems", "key_split",
-    "problem_split", "register_task", "task_names", "test_problems", "train_problems",
+    "problem_split", "register_task", "task_names", "test_problems", "train_problems", "trained_task_of",
 ]

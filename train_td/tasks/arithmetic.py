@@ -97,6 +97,20 @@ class ArithmeticTask(Task):
     return Problem(task=self.name, prompt=f"{a:>{w}}{op}{b:>{w}}", answer=f"{result:>{self.answer_width}}",
                    split_keys=(key,))
 
+  def accepts(self, prompt: str) -> bool:
+    w = self.max_digits
+    m = re.fullmatch(rf"([ 0-9]{{{w}}})([-+*])([ 0-9]{{{w}}})", prompt)
+    if m is None or m[2] not in self.ops:
+      return False
+    a, b = m[1].strip(), m[3].strip()
+    if not (a.isdigit() and b.isdigit()) or f"{int(a):>{w}}" != m[1] or f"{int(b):>{w}}" != m[3]:
+      return False
+    if m[2] == "-":
+      return self.allow_negative or int(a) >= int(b)
+    if m[2] == "*":
+      return min(len(a), len(b)) <= self.max_multiplier_digits and len(a) + len(b) <= self.answer_width
+    return True
+
   def check(self, problem: Problem, answer_text: str) -> bool:
     """Exact integer match after stripping whitespace ("0627" counts as 627; "627.0", "+627" do not)."""
     if not isinstance(answer_text, str) or len(answer_text) > _MAX_ANSWER_CHARS:

@@ -81,6 +81,11 @@ class Task(abc.ABC):
     """The split `problem` belongs to (None: neither); by default hashed on its split keys."""
     return problem_split(self, problem)
 
+  def accepts(self, prompt: str) -> bool:
+    """Whether `prompt` (in the task's own format, as the chat template writes it) is one this task draws:
+    what a model trained on the task can be expected to answer. False by default (unknown)."""
+    return False
+
   def split_size(self, split: Split) -> int | None:
     """How many distinct problems `split` holds, when the task knows (a finite file); None: too many to
     count (generated tasks)."""
@@ -213,3 +218,11 @@ def check_all(task: Task | str, problems: Sequence[Problem], answers: Sequence[s
   if len(problems) != len(answers):
     raise ValueError(f"answers: {len(answers)} answers for {len(problems)} problems")
   return [task.check(p, a) for p, a in zip(problems, answers)]
+
+
+def trained_task_of(task_names, prompt: str) -> str | None:
+  """The first of `task_names` (registered tasks) whose problems `prompt` could be, or None."""
+  for name in task_names:
+    if get_task(name).accepts(prompt):
+      return name
+  return None

@@ -18,6 +18,7 @@ Split: one key, the unordered pair of operands, so a held-out sum is never train
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import ClassVar
 
 import numpy as np
@@ -61,6 +62,15 @@ class LongAddTask(Task):
 
   def write(self, a: int, b: int) -> str:
     return f"{PREFIX}{a:>{self.max_digits}}+{b:>{self.max_digits}}"
+
+  def accepts(self, prompt: str) -> bool:
+    w = self.max_digits
+    m = re.fullmatch(rf"{PREFIX}([ 0-9]{{{w}}})\+([ 0-9]{{{w}}})", prompt)
+    if m is None:
+      return False
+    ops = [x.strip() for x in (m[1], m[2])]
+    return all(o.isdigit() and not o.startswith("0") and self.min_digits <= len(o) <= w for o in ops) and (
+        self.write(int(ops[0]), int(ops[1])) == prompt)
 
   def _operand(self, rng: np.random.Generator) -> int:
     n = int(rng.integers(self.min_digits, self.max_digits + 1))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Callable, ClassVar
 
 import numpy as np
@@ -87,6 +88,11 @@ class ProgramTask(Task):
   def __post_init__(self):
     if not isinstance(self.n_shown, int) or not 2 <= self.n_shown <= len(DOMAIN) - 2:
       raise ValueError(f"n_shown must be an int in [2, {len(DOMAIN) - 2}], got {self.n_shown!r}")
+
+  def accepts(self, prompt: str) -> bool:
+    """The format only: whether the outputs come from a trained function family is not known here."""
+    n = self.n_shown
+    return re.fullmatch(rf"f\(0\.\.{n - 1}\)=-?[0-9]+(,-?[0-9]+){{{n - 1}}}", prompt) is not None
 
   def generate(self, rng: np.random.Generator) -> Problem:
     table, spellings, members = _universe(self.n_shown)

@@ -67,6 +67,13 @@ class SortTask(Task):
     """Characters of the longest prompt."""
     return len(PREFIX) + self.answer_chars
 
+  def accepts(self, prompt: str) -> bool:
+    if not prompt.startswith(PREFIX):
+      return False
+    items = prompt[len(PREFIX):].split(",")
+    return self.min_len <= len(items) <= self.max_len and all(
+        len(x) == self.digits and x.isascii() and x.isdigit() for x in items)
+
   def write(self, values) -> str:
     return ",".join(f"{int(v):0{self.digits}d}" for v in values)
 

@@ -61,6 +61,11 @@ class SplitTask(Task):
   def write(self, n: int) -> str:
     return f"{PREFIX}{n:>{self.digits}}"
 
+  def accepts(self, prompt: str) -> bool:
+    body = prompt[len(PREFIX):] if prompt.startswith(PREFIX) else ""
+    return len(body) == self.digits and body.strip().isascii() and body.strip().isdigit() and (
+        self.write(int(body)) == prompt)
+
   def write_answer(self, a: int, b: int) -> str:
     return f"{a:0{self.digits}d}+{b:0{self.digits}d}"
 
