@@ -47,7 +47,7 @@ class _Knobs(BaseModel):
   max_tokens: int | None = Field(default=None, ge=1)
   max_completion_tokens: int | None = Field(default=None, ge=1)
   temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-  seed: int | None = None
+  seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # an int64, as vLLM takes it
   n: int = Field(default=1, ge=1, le=128)
   stop: Union[str, list[str], None] = None
   stream: bool = False
@@ -124,7 +124,12 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
       raise APIError(404, f"model {req.model!r} does not exist; this server serves {cfg.model_name!r}",
                      param="model", code="model_not_found")
     base = cfg.config_for(prompt) if cfg.config_for is not None else cfg.gcfg
-    g = with_token_cap(base, req.max_completion_tokens or req.max_tokens)
+    cap = req.max_completion_tokens or req.max_tokens
+    if cap is not None and cap > model.config.max_position:
+      name = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+      raise APIError(400, f"{name}: {cap} is more than the model's context ({model.config.max_position} "
+                     "positions)", param=name)
+    g = with_token_cap(base, cap)
     if req.temperature is not None:
       g = g.replace(temperature=float(req.temperature))
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -132,11 +137,26 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
       raise APIError(400, "stop: at most 4 non-empty stop sequences", param="stop")
     return g
 
+  def unicode_text(text: str, param: str) -> str:
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON may carry a lone surrogate ("\ud800"); no tokenizer takes it
+      raise APIError(400, f"{param}: not valid Unicode text (a lone surrogate at character {e.start})",
+                     param=param) from None
+    return text
+
   def encode_text(text: str) -> list[int]:
     if tok is None:
       raise APIError(400, f"model {cfg.model_name!r} has no tokenizer: send prompts as token-id lists",
                      param="prompt")
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(unicode_text(text, "prompt"), add_special_tokens=False)
+
+  def token_ids(ids: list[int]) -> list[int]:
+    V = model.config.vocab_size
+    bad = next((x for x in ids if not 0 <= x < V), None)
+    if bad is not None:
+      raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {V})", param="prompt")
+    return list(ids)
 
   def decode(ids) -> str:
     if tok is None:
@@ -331,11 +351,11 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
     if isinstance(p, str):
       prompts = [encode_text(p)]
     elif p and all(isinstance(x, int) for x in p):
-      prompts = [list(p)]
+      prompts = [token_ids(p)]
     elif p and all(isinstance(x, str) for x in p):
       prompts = [encode_text(x) for x in p]
     elif p and all(isinstance(x, list) for x in p):
-      prompts = [list(x) for x in p]
+      prompts = [token_ids(x) for x in p]
     else:
       raise APIError(400, "prompt: a string, a list of strings, a token-id list or a list of token-id lists",
                      param="prompt")
@@ -348,7 +368,8 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
     if tok is None or not getattr(tok, "chat_template", None):
       raise APIError(400, f"model {cfg.model_name!r} has no chat template; use /v1/completions",
                      param="messages")
-    msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+    msgs = [{"role": m.role, "content": unicode_text(m.content, f"messages[{i}].content")}
+            for i, m in enumerate(req.messages)]
     try:
       text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # the template itself refuses (e.g. roles out of order)

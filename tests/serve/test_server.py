@@ -182,6 +182,11 @@ def test_64_concurrent_clients_get_their_single_request_answers(server, alone):
     (b'{"model": "default", "prompt": [1, 2, 999]}', 400, "prompt"),
     (b'{"model": "default", "prompt": [1, 2, 2]}', 400, "prompt"),
     (b'{"model": "default"}', 400, "prompt"),
+    (b'{"model": "default", "prompt": [999999, -5]}', 400, "prompt"),  # ids outside the vocabulary
+    (b'{"model": "default", "prompt": [[4, 5], [4, -1, 5]]}', 400, "prompt"),
+    (json.dumps({"model": "default", "prompt": "1+1", "max_tokens": 2**70}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "default", "prompt": "1+1", "seed": 2**70}).encode(), 400, "seed"),
+    (b'{"model": "default", "prompt": "\\ud800 1+1"}', 400, "prompt"),  # a lone surrogate
     (b'[1, 2]', 400, None),
 ])
 def test_bad_input_is_a_4xx_with_an_openai_error(server, body, status, param):
@@ -200,6 +205,9 @@ def test_chat_bad_messages(server):
   code, out = _raw(server, "/v1/chat/completions", b'{"model": "default", "messages": [{"role": "robot", '
                                                    b'"content": "1"}]}')
   assert code == 400 and "role" in out["error"]["param"]
+  code, out = _raw(server, "/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", '
+                                                   b'"content": "\\udc00"}]}')
+  assert code == 400 and out["error"]["param"] == "messages[0].content", out
 
 
 def test_metrics_and_health(server):
