@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -75,10 +76,66 @@ class ServerConfig:
   # The defaults for one prompt (token ids as the model sees them): the model's prompt rule for it applied
   # (e.g. a long sum gets its 32 positions, not the short default), flags still winning. None: gcfg.
   config_for: Callable[[Sequence[int]], GenerationConfig] | None = None
+  # Larger request bodies get 413 before they are read whole (a 20 MB prompt cannot fit any model here).
+  max_body_bytes: int = 4 * 2**20
+  # Required as "Authorization: Bearer KEY" on /v1/* when set (as vLLM's --api-key); /health and /metrics
+  # stay open for probes.
+  api_key: str | None = None
+
+
+class _BodyLimit:
+  """ASGI middleware: 413 for a body over `limit` bytes, by its Content-Length or, when chunked, as soon as
+  the bytes received pass it (the rest is never read)."""
+
+  def __init__(self, app, limit: int):
+    self.app, self.limit = app, limit
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    declared = dict(scope.get("headers") or []).get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > self.limit:
+      return await self._refuse(send)
+    seen = 0
+
+    async def counting():
+      nonlocal seen
+      msg = await receive()
+      if msg["type"] == "http.request":
+        seen += len(msg.get("body", b""))
+        if seen > self.limit:  # an HTTPException: FastAPI passes it on while it reads the body
+          raise StarletteHTTPException(413, self.message())
+      return msg
+
+    return await self.app(scope, counting, send)
+
+  def message(self) -> str:
+    return f"request body larger than {self.limit} bytes"
+
+  async def _refuse(self, send):
+    body = json.dumps({"error": {"message": self.message(), "type": "invalid_request_error", "param": None,
+                                 "code": "request_too_large"}})
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body.encode()})
 
 
 def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
   app = FastAPI(title="dinfer-jax", docs_url=None, redoc_url=None)
+  app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
+
+  if cfg.api_key:
+    import hmac
+    want = f"Bearer {cfg.api_key}".encode()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+      if request.url.path.startswith("/v1/") and not hmac.compare_digest(
+          request.headers.get("authorization", "").encode(), want):
+        metrics.request(request.url.path, 401)
+        return error_response(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                              "invalid_request_error", code="invalid_api_key")
+      return await call_next(request)
   tok = model.tokenizer
   task_names = trained_tasks(model)
 
@@ -95,6 +152,16 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
       msg = f"{'.'.join(loc)}: {msg}"
     metrics.request(request.url.path, 400)
     return error_response(400, msg, param=".".join(loc) or None)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def _http(request: Request, exc: StarletteHTTPException):  # unknown routes, wrong methods, bad bodies
+    metrics.request(request.url.path, exc.status_code)
+    text = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    msg = text.get(exc.status_code) or (
+        "the request body could not be parsed (not UTF-8 JSON, or nested too deeply)" if exc.status_code == 400
+        else str(exc.detail))
+    return error_response(exc.status_code, msg, "not_found_error" if exc.status_code == 404
+                          else "invalid_request_error")
 
   @app.exception_handler(APIError)
   async def _api_error(request: Request, exc: APIError):
@@ -347,7 +414,11 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
 
   @app.post("/v1/completions")
   async def completions(request: Request, req: CompletionRequest):
-    p = req.prompt
+    # Tokenising a few MB takes a while: off the event loop, so /health and the other requests go on.
+    prompts = await asyncio.to_thread(completion_prompts, req.prompt)
+    return await serve(request, req, prompts, chat=False, param="prompt")
+
+  def completion_prompts(p) -> list[list[int]]:
     if isinstance(p, str):
       prompts = [encode_text(p)]
     elif p and all(isinstance(x, int) for x in p):
@@ -361,19 +432,23 @@ def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConf
                      param="prompt")
     if any(len(x) == 0 for x in prompts):
       raise APIError(400, "prompt: empty prompt", param="prompt")
-    return await serve(request, req, prompts, chat=False, param="prompt")
+    return prompts
 
   @app.post("/v1/chat/completions")
   async def chat(request: Request, req: ChatRequest):
     if tok is None or not getattr(tok, "chat_template", None):
       raise APIError(400, f"model {cfg.model_name!r} has no chat template; use /v1/completions",
                      param="messages")
+    ids = await asyncio.to_thread(chat_prompt, req.messages)  # off the event loop, as completions
+    return await serve(request, req, [ids], chat=True, param="messages")
+
+  def chat_prompt(messages) -> list[int]:
     msgs = [{"role": m.role, "content": unicode_text(m.content, f"messages[{i}].content")}
-            for i, m in enumerate(req.messages)]
+            for i, m in enumerate(messages)]
     try:
       text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # the template itself refuses (e.g. roles out of order)
       raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
-    return await serve(request, req, [tok.encode(text, add_special_tokens=False)], chat=True, param="messages")
+    return tok.encode(text, add_special_tokens=False)
 
   return app

@@ -24,6 +24,9 @@ def register(subparsers, model_defaults=None) -> None:
                  help="gather requests for this long after the oldest waiting one arrived (default %(default)s)")
   s.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
   s.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (504 after it)")
+  s.add_argument("--api-key", default=None,
+                 help="require 'Authorization: Bearer KEY' on /v1/* (default: $DINFER_JAX_API_KEY, else none)")
+  s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default %(default)s)")
   s.add_argument("--warmup-max-prompt-len", type=int, default=256,
                  help="compile every batch bucket for prompts up to this many tokens before serving "
                       "(0: no warm-up; later buckets compile on first use)")
@@ -83,8 +86,24 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
       # rules match on the prompt as the model sees it; only the prefix matters, so a bounded decode
       return _for_text(tok.decode(list(prompt[:64]), skip_special_tokens=False))
   scfg = ServerConfig(model_name=model_name(model, args.served_model_name), gcfg=gcfg, timeout_s=args.timeout_s,
+                      max_body_bytes=int(args.max_body_mb * 2**20), api_key=api_key(args),
                       config_for=config_for)
   return create_app(model, batcher, metrics, scfg), batcher, scfg
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+  import os
+  return args.api_key or os.environ.get("DINFER_JAX_API_KEY") or None
+
+
+def is_loopback(host: str) -> bool:
+  import ipaddress
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -92,6 +111,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
   except ImportError:
     raise SystemExit("error: dinfer-jax serve needs the serve extra: pip install 'dinfer-jax[serve]'") from None
+  if not is_loopback(args.host) and not api_key(args):
+    print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the "
+          "model", file=sys.stderr, flush=True)
   app, batcher, scfg = build(args)
   batcher.start()
   print(f"dinfer-jax serve: model {scfg.model_name!r} on http://{args.host}:{args.port} "

@@ -4,7 +4,10 @@ import asyncio
 
 import pytest
 
-httpx = pytest.importorskip("httpx")
+try:  # the test extra brings httpx2 (through openai); older stacks have httpx
+  import httpx2 as httpx
+except ImportError:
+  httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from dinfer_jax.serve.app import ServerConfig, create_app  # noqa: E402
@@ -32,3 +35,52 @@ def test_full_queue_is_429_and_timeout_is_504(default_model, default_gcfg):
   assert first.status_code == 504 and first.json()["error"]["code"] == "timeout"
   # The timed-out request is dropped when the worker gets to it, not run.
   assert batcher._next_batch() == [] and metrics.dropped == 1 and batcher.depth == 0
+
+
+def test_bodies_routes_and_methods_get_openai_errors(default_model, default_gcfg):
+  """Every refusal is OpenAI's error body: oversized bodies (declared or chunked) 413 before they are read
+  whole, unparsable ones (invalid UTF-8, nesting too deep) 400, unknown routes 404, wrong methods 405."""
+  batcher = DynamicBatcher(default_model, max_batch=2)
+  app = create_app(default_model, batcher, Metrics(2), ServerConfig("default", default_gcfg,
+                                                                    max_body_bytes=2**20))
+  big = b'{"model": "default", "prompt": "' + b"1" * (2 * 2**20) + b'"}'
+  deep = b'{"model": "default", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+  async def scenario():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+      post = lambda body: c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+      chunks = iter([big[i:i + 65536] for i in range(0, len(big), 65536)])
+
+      async def streamed():
+        for x in chunks:
+          yield x
+      return [await post(big), await post(streamed()), await post(b'{"model": "default", "prompt": "\xff"}'),
+              await post(deep), await c.get("/v1/nothing"), await c.get("/v1/completions"), await c.get("/health")]
+
+  out = asyncio.run(scenario())
+  assert [r.status_code for r in out] == [413, 413, 400, 400, 404, 405, 200]
+  for r in out[:-1]:
+    err = r.json()["error"]
+    assert err["message"] and err["type"], r.text
+  assert "larger than 1048576 bytes" in out[0].json()["error"]["message"]
+
+
+def test_api_key_guards_the_api_not_the_probes(default_model, default_gcfg):
+  app = create_app(default_model, DynamicBatcher(default_model, max_batch=2), Metrics(2),
+                   ServerConfig("default", default_gcfg, api_key="s3cret"))
+
+  async def scenario():
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+      return [await c.get("/v1/models"), await c.get("/v1/models", headers={"Authorization": "Bearer wrong"}),
+              await c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}), await c.get("/health")]
+
+  out = asyncio.run(scenario())
+  assert [r.status_code for r in out] == [401, 401, 200, 200]
+  assert out[0].json()["error"]["code"] == "invalid_api_key"
+
+
+def test_non_loopback_without_a_key_is_warned_about():
+  from dinfer_jax.serve.cli import is_loopback
+  assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+  assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("myhost")
