@@ -229,7 +229,7 @@ def test_export_load_round_trip(three_step_run, tmp_path, dtype):
   assert hf["norm_topk_prob"] is False and hf["qk_layernorm"] is True and hf["torch_dtype"] == dtype
   assert hf["shared_expert_intermediate_size"] is None and hf["partial_rotary_factor"] == 1.0
   gen = json.loads((out / "generation_config.json").read_text())
-  assert gen == export_lib.DEFAULT_GENERATION
+  assert gen == dict(export_lib.DEFAULT_GENERATION, trained_tasks=["arithmetic"])  # the run's mix
   from dinfer_jax import checkpoint
   cfg = trainer.load_train_config(d).model_config()
   from dinfer_jax.checkpoint import safetensors_io
