@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import sys
 from typing import Any, Iterator, Sequence
@@ -69,13 +68,8 @@ def read_generation_file(model_path: str | None) -> dict[str, Any]:
   f = pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE
   if not f.exists():
     return {}
-  try:
-    data = json.loads(f.read_text())
-  except (OSError, UnicodeDecodeError, ValueError) as e:
-    raise ValueError(f"{f}: cannot parse: {e}") from None
-  if not isinstance(data, dict):
-    raise ValueError(f"{f}: expected a JSON object")
-  return data
+  from dinfer_jax.checkpoint.errors import read_json_object
+  return read_json_object(f, ValueError)
 
 
 def _known_knobs(data: dict[str, Any]) -> dict[str, Any]:

@@ -45,7 +45,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import future as ocp_future
 from orbax.checkpoint import type_handlers as ocp_th
 
-from dinfer_jax.checkpoint.errors import CheckpointError
+from dinfer_jax.checkpoint.errors import CheckpointError, read_json_object
 from dinfer_jax.checkpoint.outdir import atomic_dir, writes_stopped
 from dinfer_jax.config import ConfigError, ModelConfig
 from dinfer_jax.model.params import FP32_PARAMS, abstract_params, leaf_dtype  # noqa: F401 (re-exported)
@@ -242,12 +242,7 @@ def read_config_file(path: os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
   f = pathlib.Path(path) / CONFIG_NAME
   if not f.is_file():
     raise CheckpointError(f"{pathlib.Path(path)}: {CONFIG_NAME} not found")
-  try:
-    raw = json.loads(f.read_text())
-  except (OSError, UnicodeDecodeError, ValueError) as e:
-    raise CheckpointError(f"{f}: cannot parse: {e}") from None
-  if not isinstance(raw, dict):
-    raise CheckpointError(f"{f}: expected a JSON object")
+  raw = read_json_object(f)
   try:
     return ModelConfig.from_hf_config(raw), raw
   except ConfigError as e:
