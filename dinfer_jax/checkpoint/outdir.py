@@ -168,27 +168,38 @@ def _signals_ignored():
   return _on_signals(signal.SIG_IGN)
 
 
+def _ignore_signals() -> None:
+  """Inside an _on_signals block: ignore SIGINT/SIGTERM from here to the block's end (which restores them)."""
+  if threading.current_thread() is threading.main_thread():
+    for s in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(s, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def atomic_dir(dst: os.PathLike, overwrite: bool = False, *, sources: Sequence[os.PathLike] = (),
                replace_unmarked: bool = False, kind: str = "") -> Iterator[pathlib.Path]:
   """Yields a fresh staging dir next to `dst` (holding the MARKER file); renames it to `dst` on success,
   removes it on any failure or SIGINT/SIGTERM (raised as Interrupted). See the module docstring."""
   dst = check_destination(dst, sources=sources, overwrite=overwrite, replace_unmarked=replace_unmarked)
+  tmp = None
   try:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(dst)
-    if dst.exists():  # a dead writer's old DST may just have been put back: check it like any other
-      check_destination(dst, sources=sources, overwrite=overwrite, replace_unmarked=replace_unmarked)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    _stop_writes.clear()
-    tmp.mkdir()
-    (tmp / MARKER).write_text(json.dumps({"written_by": "dinfer-jax", "kind": kind}) + "\n")
-  except OSError as e:
-    raise CheckpointError(f"{dst}: cannot create output directory: {e.strerror or e}") from None
-  try:
+    # The raising handlers go in before the staging dir exists and stay until the swap has begun: a signal
+    # in between would take the default action and leave the staging dir behind (seen: SIGTERM right
+    # after the mkdir).
     with _signals_raise(dst):
+      try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(dst)
+        if dst.exists():  # a dead writer's old DST may just have been put back: check it like any other
+          check_destination(dst, sources=sources, overwrite=overwrite, replace_unmarked=replace_unmarked)
+        tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        _stop_writes.clear()
+        tmp.mkdir()
+        (tmp / MARKER).write_text(json.dumps({"written_by": "dinfer-jax", "kind": kind}) + "\n")
+      except OSError as e:
+        raise CheckpointError(f"{dst}: cannot create output directory: {e.strerror or e}") from None
       yield tmp
-    with _signals_ignored():  # the swap is two renames; an interruption between them would lose DST
+      _ignore_signals()  # the swap is two renames; an interruption between them would lose DST
       if dst.exists():
         old = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
         dst.rename(old)
@@ -203,9 +214,12 @@ def atomic_dir(dst: os.PathLike, overwrite: bool = False, *, sources: Sequence[o
   except BaseException as e:
     with _signals_ignored():
       _stop_writes.set()
-      shutil.rmtree(tmp, ignore_errors=True)
+      if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(e, Interrupted):
       e.staging = tmp
+      raise
+    if tmp is None:
       raise
     # Errors name DST, not the staging directory the user never asked for.
     if isinstance(e, CheckpointError):
