@@ -131,6 +131,11 @@ def _on_signals(handler) -> Iterator[None]:
 # Set when an interruption arrives: background writers (orbax's) stop before their next leaf instead of
 # writing on into a staging directory that is being removed.
 _stop_writes = threading.Event()
+# The interruption itself, kept because the raise can be swallowed: a signal handler runs between any two
+# bytecodes of the main thread, also inside a gc callback or a __del__, where Python prints "Exception
+# ignored" and carries on (seen: inside jax's _xla_gc_callback). The writers have stopped by then, so
+# carrying on would rename an incomplete output into place; atomic_dir re-raises it before the swap.
+_pending: list[BaseException] = []
 
 
 def writes_stopped() -> bool:
@@ -159,7 +164,9 @@ def _signals_raise(dst: pathlib.Path):
   """SIGINT/SIGTERM raise Interrupted while the output is being written."""
   def handler(signum, _frame):
     _stop_writes.set()
-    raise Interrupted(signum, dst)
+    e = Interrupted(signum, dst)
+    _pending.append(e)
+    raise e
   return _on_signals(handler)
 
 
@@ -182,6 +189,8 @@ def atomic_dir(dst: os.PathLike, overwrite: bool = False, *, sources: Sequence[o
   removes it on any failure or SIGINT/SIGTERM (raised as Interrupted). See the module docstring."""
   dst = check_destination(dst, sources=sources, overwrite=overwrite, replace_unmarked=replace_unmarked)
   tmp = None
+  _stop_writes.clear()
+  _pending.clear()
   try:
     # The raising handlers go in before the staging dir exists and stay until the swap has begun: a signal
     # in between would take the default action and leave the staging dir behind (seen: SIGTERM right
@@ -193,13 +202,14 @@ def atomic_dir(dst: os.PathLike, overwrite: bool = False, *, sources: Sequence[o
         if dst.exists():  # a dead writer's old DST may just have been put back: check it like any other
           check_destination(dst, sources=sources, overwrite=overwrite, replace_unmarked=replace_unmarked)
         tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        _stop_writes.clear()
         tmp.mkdir()
         (tmp / MARKER).write_text(json.dumps({"written_by": "dinfer-jax", "kind": kind}) + "\n")
       except OSError as e:
         raise CheckpointError(f"{dst}: cannot create output directory: {e.strerror or e}") from None
       yield tmp
       _ignore_signals()  # the swap is two renames; an interruption between them would lose DST
+      if _pending:  # an interruption whose raise was swallowed: the output may be incomplete
+        raise _pending[0]
       if dst.exists():
         old = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
         dst.rename(old)
