@@ -13,7 +13,7 @@ class CheckpointError(ValueError):
   """
 
 
-def read_json_object(path: os.PathLike, error: type[ValueError] = None) -> dict:
+def read_json_object(path: os.PathLike, error: type[ValueError] | None = None) -> dict:
   """A JSON file that must hold an object (config.json, generation_config.json, ...); an unreadable or
   unparsable file, or another JSON value, is `error` (default CheckpointError) naming the file."""
   error = error or CheckpointError

@@ -196,6 +196,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     win = iteration.prefix_window_index(s, widths=grid.windows, gen_end=Tc) if grid.windows else None
     blk = lambda a: jax.lax.dynamic_slice_in_dim(a, s, L, axis=1)
     maskable = blk(valid) & ~st["done"][:, None]
+    more_after = (valid & (col[None, :] >= s + L)).any(axis=1)  # the row's canvas goes on after this block
     bst = dict(st)
     bst["dec"] = _init_rows(decoder, blk(st["canvas"]), maskable)
     bst["refreshed"] = jnp.zeros((Bsz,), bool)
@@ -325,8 +326,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
         # The clean-K/V forward is for the blocks after this one: none after the last block, nor after an
         # EOS that ends the row (dinfer_compat runs it anyway).
         ends_row = (blk(nb["canvas"]) == eos_id).any(axis=1) if gcfg.early_stop else jnp.zeros((Bsz,), bool)
-        more = (valid & (col[None, :] >= s + L)).any(axis=1)  # the row's canvas goes on after this block
-        wanted = jnp.full((Bsz,), True) if gcfg.dinfer_compat else more & ~ends_row
+        wanted = jnp.full((Bsz,), True) if gcfg.dinfer_compat else more_after & ~ends_row
         nb["final"] = jnp.where(active & masks_before & ~masks_after & wanted, True,
                                 jnp.where(active & ~masks_before, False, b["final"]))
       return _constrain(nb)
