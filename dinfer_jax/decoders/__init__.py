@@ -46,7 +46,21 @@ def make_decoder(name: str, **knobs) -> Decoder:
     raise ValueError(f"{cls.__name__}: {e}") from e
 
 
+# GenerationConfig knob -> decoder field, for the knobs the engine passes as traced values.
+KNOB_FIELDS = {"threshold": "threshold", "low_threshold": "low_threshold", "credit_alpha": "alpha",
+               "credit_gamma": "gamma", "credit_beta": "beta"}
+
+
+def with_knobs(decoder: Decoder, knobs: dict) -> Decoder:
+  """The decoder with its knob fields set from `knobs` (GenerationConfig knob names -> traced fp32 scalars,
+  inside the compiled program), so one program serves every value; fields the decoder lacks are ignored."""
+  fields = {f.name for f in dataclasses.fields(decoder)}
+  new = {field: knobs[knob] for knob, field in KNOB_FIELDS.items() if field in fields and knob in knobs}
+  return dataclasses.replace(decoder, **new) if new else decoder
+
+
 __all__ = [
     "DECODERS", "CreditDecoder", "CreditState", "Decoder", "FastDLLMDecoder", "FixedStepsDecoder",
-    "FixedStepsState", "HierarchyDecoder", "Proposal", "ThresholdDecoder", "make_decoder", "propose",
+    "FixedStepsState", "HierarchyDecoder", "KNOB_FIELDS", "Proposal", "ThresholdDecoder", "make_decoder",
+    "propose", "with_knobs",
 ]

@@ -94,8 +94,15 @@ def _gumbel(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   raise ValueError(f"rng: expected one PRNG key or one key per row ({shape[0]}), got shape {rng.shape}")
 
 
-def check_sampling(temperature: float, rng: jax.Array | None) -> None:
-  """Trace-time validation of the static sampling arguments."""
+def check_sampling(temperature: float | jax.Array, rng: jax.Array | None) -> None:
+  """Trace-time validation of the sampling arguments. A jax scalar temperature is a traced runtime value
+  (the engine's, validated on the host): it always samples."""
+  if isinstance(temperature, jax.Array):
+    if temperature.ndim != 0:
+      raise ValueError(f"temperature: must be a scalar (got shape {temperature.shape})")
+    if rng is None:
+      raise ValueError("rng: a PRNG key is required with a traced temperature")
+    return
   if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
       math.isfinite(temperature) and temperature >= 0):
     raise ValueError(f"temperature: must be a static, finite Python float >= 0 (got {temperature!r})")
@@ -125,15 +132,17 @@ def propose(logits: jax.Array, *, mask_id: int, temperature: float = 0.0,
   Args:
     logits: [B, L, V] logits of the block (cast to fp32).
     mask_id: static MASK token id.
-    temperature: static float >= 0.
-    rng: PRNG key, or [B] keys (one per row); only read when temperature > 0.
+    temperature: static float >= 0, or a traced fp32 scalar (> 0: the program samples, one program for
+      every temperature).
+    rng: PRNG key, or [B] keys (one per row); only read when sampling.
 
   Returns:
     A Proposal of [B, L] arrays.
   """
   check_sampling(temperature, rng)
   z = logits.astype(jnp.float32)
-  scores = z + temperature * _gumbel(rng, z.shape) if temperature > 0 else z
+  sampling = isinstance(temperature, jax.Array) or temperature > 0
+  scores = z + temperature * _gumbel(rng, z.shape) if sampling else z
   token = jnp.argmax(scores, axis=-1).astype(jnp.int32)
   vocab = jnp.arange(z.shape[-1], dtype=jnp.int32)
   # A where over the vocab iota (not .at[mask_id]) stays valid even if mask_id is outside the vocab.
@@ -243,6 +252,8 @@ def check_real(owner: object, field: str, lo: float | None = None, hi: float | N
   """Validates a dataclass float field in [lo, hi] and stores it as float; ValueError names the field."""
   value = getattr(owner, field)
   name = f"{type(owner).__name__}.{field}"
+  if isinstance(value, jax.Array) and value.ndim == 0:
+    return  # a traced runtime knob (decoders.with_knobs): its host value was validated where it was set
   if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
     raise ValueError(f"{name}: must be a finite real number (got {value!r})")
   if (lo is not None and value < lo) or (hi is not None and value > hi):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 DECODERS = ("threshold", "hierarchy", "credit", "fixed_steps", "fastdllm")
 CACHES = ("none", "prefix", "dual")
 
@@ -11,10 +13,18 @@ SMOOTH_WEIGHT_INIT = 0.15
 SMOOTH_WEIGHT_GROWTH = 0.02
 SMOOTH_THRESHOLD_DECAY = 0.02
 
+# Knobs that are values in the compiled program, not part of its structure: the engine passes them as traced
+# fp32 scalars (GenerationConfig.knob_values) and compiles for GenerationConfig.program_config, so a threshold
+# sweep, a new temperature or a new smoothing cap reuses the program. Whether the program samples
+# (temperature > 0) and whether it smooths (cont_weight > 0) are structure and stay in the program's key.
+TRACED_KNOBS = ("threshold", "low_threshold", "credit_alpha", "credit_gamma", "credit_beta", "cont_weight",
+                "temperature")
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-  """Decoding settings. Hashable: the engine compiles one program per distinct config and shape bucket.
+  """Decoding settings. Hashable: the engine compiles one program per program_config() and shape bucket
+  (the thresholds, temperature and smoothing cap are runtime values of that program: TRACED_KNOBS).
 
   Attributes:
     gen_length: generated positions per row (G).
@@ -106,6 +116,17 @@ class GenerationConfig:
       bad("cont_weight", "must be in [0, 1] (0 disables iteration smoothing)")
     if self.temperature < 0:
       bad("temperature", "must be >= 0")
+
+  def program_config(self) -> "GenerationConfig":
+    """This config with every TRACED_KNOBS value replaced by a fixed one of the same structure: the
+    compiled program's cache key (configs that differ only in knob values share it)."""
+    return dataclasses.replace(self, threshold=1.0, low_threshold=0.0, credit_alpha=0.0, credit_gamma=1.0,
+                               credit_beta=1.0, cont_weight=1.0 if self.smoothing else 0.0,
+                               temperature=1.0 if self.temperature > 0 else 0.0)
+
+  def knob_values(self) -> dict[str, np.ndarray]:
+    """The TRACED_KNOBS as fp32 scalars: the compiled program's runtime arguments."""
+    return {k: np.float32(getattr(self, k)) for k in TRACED_KNOBS}
 
   @property
   def vicinity(self) -> bool:

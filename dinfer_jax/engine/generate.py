@@ -107,6 +107,15 @@ def prepare(mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *,
   return lay, static
 
 
+def program(static: dict[str, Any], vocab_size: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+  """(static arguments of the shared program, runtime knobs) for prepare's static arguments: the program is
+  compiled for gcfg.program_config() and takes the thresholds, temperature and smoothing cap as traced
+  values, so configs that differ only in those reuse one compiled program."""
+  gcfg = static["gcfg"]
+  prog = gcfg.program_config()
+  return dict(static, gcfg=prog, decoder=decoder_for(prog, vocab_size)), gcfg.knob_values()
+
+
 _LAST_UNSTACKED: list = []  # [(stacked params, mesh, their per-layer layout)]: the last params generate saw
 
 
@@ -142,6 +151,7 @@ def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationCo
   on_block(block_index, rows_tokens): see generate. With a mesh the program runs with explicit in/out
   shardings (see sharded_run)."""
   lay, static = prepare(mcfg, prompts, gcfg, batch_bucket=batch_bucket, row_multiple=sharding.data_size(mesh))
+  prog, knobs = program(static, mcfg.vocab_size)
   params = inference_params(params, mcfg, mesh)
   if mesh is not None:
     if on_block is not None:
@@ -150,17 +160,18 @@ def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationCo
     rows = sharding.row_sharded(mesh, lay.canvas.shape)
     arrays = [sharding.put_global(a, rows) for a in (lay.canvas, lay.valid, lay.positions)]
     with use_mesh(mesh):
-      key = sharding.put_global(np.asarray(jax.random.PRNGKey(seed)),
-                                jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-      out = sharded_run(mesh, treedef, tuple(leaves), tuple(sorted(static.items())))(params, *arrays, key)
+      repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      key = sharding.put_global(np.asarray(jax.random.PRNGKey(seed)), repl)
+      knobs = {k: sharding.put_global(np.asarray(v), repl) for k, v in knobs.items()}
+      out = sharded_run(mesh, treedef, tuple(leaves), tuple(sorted(prog.items())))(params, *arrays, key, knobs)
     return lay, out, static
   args = (params, jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions),
-          jax.random.PRNGKey(seed))
+          jax.random.PRNGKey(seed), knobs)
   if on_block is None:
-    return lay, loop.run_jit()(*args, **static), static
+    return lay, loop.run_jit()(*args, **prog), static
   sid = loop.register_stream(_row_tokens_callback(lay, len(normalize_prompts(prompts)), static["eos_id"], on_block))
   try:
-    out = jax.block_until_ready(loop.run_jit()(*args, **static, stream=True, stream_id=jnp.int32(sid)))
+    out = jax.block_until_ready(loop.run_jit()(*args, **prog, stream=True, stream_id=jnp.int32(sid)))
   finally:
     loop.unregister_stream(sid)
   return lay, out, static
@@ -195,7 +206,7 @@ def sharded_run(mesh: jax.sharding.Mesh, param_treedef, param_leaf_shardings: tu
   outs = {"canvas": rows, "commit": rows, "row_nfe": rows, "nfe": repl, "n_full": repl, "n_cached": repl,
           "n_window": repl}
   donate = (1, 3) if jax.default_backend() != "cpu" else ()
-  return jax.jit(functools.partial(loop.run, **dict(static)), in_shardings=(p_sh, rows, rows, rows, repl),
+  return jax.jit(functools.partial(loop.run, **dict(static)), in_shardings=(p_sh, rows, rows, rows, repl, repl),
                  out_shardings=outs, donate_argnums=donate)
 
 

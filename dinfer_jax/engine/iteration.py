@@ -15,16 +15,19 @@ from dinfer_jax.engine.config import (SMOOTH_THRESHOLD_DECAY, SMOOTH_WEIGHT_GROW
                                       GenerationConfig)
 
 
-def smooth_weight(n: jax.Array, gcfg: GenerationConfig) -> jax.Array:
-  """w_n per row; n [B] int."""
-  return jnp.minimum(SMOOTH_WEIGHT_INIT + SMOOTH_WEIGHT_GROWTH * n.astype(jnp.float32), gcfg.cont_weight)
+def smooth_weight(n: jax.Array, cont_weight: jax.Array | float) -> jax.Array:
+  """w_n per row; n [B] int; cont_weight the (traced) cap."""
+  return jnp.minimum(SMOOTH_WEIGHT_INIT + SMOOTH_WEIGHT_GROWTH * n.astype(jnp.float32),
+                     jnp.asarray(cont_weight, jnp.float32))
 
 
-def step_threshold(n: jax.Array, gcfg: GenerationConfig) -> jax.Array:
-  """The threshold the decoder uses at a row's forward n: tau_n with smoothing, else the configured one."""
+def step_threshold(n: jax.Array, gcfg: GenerationConfig, threshold: jax.Array | float) -> jax.Array:
+  """The threshold the decoder uses at a row's forward n: tau_n with smoothing (gcfg.smoothing, static),
+  else the configured one; `threshold` is its (traced) value."""
+  threshold = jnp.asarray(threshold, jnp.float32)
   if not gcfg.smoothing:
-    return jnp.full(n.shape, gcfg.threshold, jnp.float32)
-  return jnp.maximum(1.0 - SMOOTH_THRESHOLD_DECAY * n.astype(jnp.float32), gcfg.threshold)
+    return jnp.broadcast_to(threshold, n.shape)
+  return jnp.maximum(1.0 - SMOOTH_THRESHOLD_DECAY * n.astype(jnp.float32), threshold)
 
 
 def soft_embed(table: jax.Array, tokens: jax.Array, logits: jax.Array, masked: jax.Array,

@@ -19,6 +19,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from dinfer_jax import cache as cache_lib
+from dinfer_jax import decoders
 from dinfer_jax.cache import CACHED, FULL, REFRESH, KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import iteration
@@ -68,7 +69,8 @@ def _init_rows(decoder, tokens, maskable):
   return jax.vmap(lambda tk, mk: decoder.init_state(tk[None], mk[None]))(tokens, maskable)
 
 
-def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array, seed: jax.Array, *,
+def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array, seed: jax.Array,
+        knobs: dict[str, jax.Array] | None = None, *,
         mcfg: ModelConfig, gcfg: GenerationConfig, grid: Grid, decoder: Any, mode: str,
         block_causal: bool, mask_id: int, eos_id: int, stream: bool = False,
         stream_id: jax.Array | None = None) -> dict[str, jax.Array]:
@@ -77,6 +79,9 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
   Args:
     canvas [B, Tc] int32, valid [B, Tc] bool, positions [B, Tc] int32: from layout.make_layout.
     seed: a PRNG key.
+    knobs: GenerationConfig.knob_values() (fp32 scalars): the thresholds, temperature and smoothing cap as
+      runtime values, with gcfg = its program_config() so that one program serves every value. None: gcfg's
+      own values, compiled in.
     mode: "none" | "prefix" | "dual" | "block_diffusion".
     block_causal: full forwards use LLaDA2's block-causal mask (block diffusion without a cache).
     stream, stream_id: when stream, every finished block's canvas goes to the host callback registered
@@ -87,6 +92,10 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
   """
   Bsz, Tc = canvas.shape
   L, C, W = grid.block_len, grid.first_block, grid.window
+  knobs = gcfg.knob_values() if knobs is None else knobs
+  decoder = decoders.with_knobs(decoder, knobs)
+  # Python 0.0 keeps the argmax program; a value means this program samples (gcfg.temperature > 0).
+  temperature = knobs["temperature"] if gcfg.temperature > 0 else 0.0
   smoothing = gcfg.smoothing
   cached_mode = mode in ("prefix", "dual", "block_diffusion")
   table = params["embed"]
@@ -280,11 +289,11 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
         full_blk, cached_blk = full_logits, cached_logits
       logits = full_blk if cached_blk is None else jnp.where(use_full[:, None, None], full_blk, cached_blk)
 
-      thr = iteration.step_threshold(b["n"], gcfg)
+      thr = iteration.step_threshold(b["n"], gcfg, knobs["threshold"])
       keys = jax.vmap(jax.random.fold_in)(row_keys, b["n"])
       tokens = blk(b["canvas"])
       new_tokens, committed, new_dec = _decode_rows(decoder, b["dec"], logits, tokens, maskable, thr, keys,
-                                                    mask_id=mask_id, temperature=gcfg.temperature)
+                                                    mask_id=mask_id, temperature=temperature)
       committed = committed & active[:, None]
       new_tokens = jnp.where(active[:, None], new_tokens, tokens)
       nb["dec"] = _where_rows(active, new_dec, b["dec"])
@@ -294,7 +303,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       nb["commit"] = jax.lax.dynamic_update_slice_in_dim(b["commit"], commit_blk, s, axis=1)
 
       if smoothing:
-        w = iteration.smooth_weight(b["n"], gcfg)
+        w = iteration.smooth_weight(b["n"], knobs["cont_weight"])
         masked_now = nb["canvas"] == mask_id
         if mode != "block_diffusion":
           soft_full = iteration.soft_embed(table, nb["canvas"], full_logits, masked_now, w)

@@ -33,6 +33,59 @@ def test_same_bucket_does_not_recompile(model_a):
   assert run_jit()._cache_size() == n + 1
 
 
+@pytest.mark.parametrize("base,knob,values", [
+    (GenerationConfig(gen_length=16, block_length=8, cache="dual"), "threshold", (0.3, 0.6, 0.95)),
+    (GenerationConfig(gen_length=16, block_length=8, temperature=0.5), "temperature", (0.01, 30.0)),
+    (GenerationConfig(gen_length=16, block_length=8, cont_weight=0.3), "cont_weight", (0.1, 0.9)),
+    (GenerationConfig(gen_length=16, block_length=8, decoder="hierarchy", threshold=0.95), "low_threshold",
+     (0.0, 0.95)),
+    (GenerationConfig(gen_length=16, block_length=8, decoder="credit"), "credit_alpha", (0.0, 2.0)),
+])
+def test_runtime_knobs_do_not_recompile(model_a, base, knob, values):
+  """Thresholds, temperature, the smoothing cap and the decoders' knobs are traced values of one program:
+  a sweep compiles nothing new, and each value still acts (the outputs are not all alike)."""
+  prompts = [[5, 9, 3, 17, 40, 2], [7, 7, 1]]
+  first = generate(model_a, prompts, base, seed=1)
+  n = run_jit()._cache_size()
+  outs = [first]
+  for v in values:
+    outs.append(generate(model_a, prompts, base.replace(**{knob: v}), seed=1))
+    assert run_jit()._cache_size() == n, f"{knob}={v} recompiled"
+  assert len({(tuple(map(tuple, o.canvas)), o.nfe, tuple(map(tuple, o.commit_step))) for o in outs}) > 1, \
+      f"every {knob} value gave the same output: is the knob reaching the program?"
+
+
+def test_traced_knobs_equal_compiled_in_values(model_a):
+  """The shared program (knobs traced) gives what a program with the values compiled in gives."""
+  import jax
+  import jax.numpy as jnp
+
+  from dinfer_jax.engine import generate as gen_lib
+  from dinfer_jax.engine import loop
+  params, mcfg = model_a
+  prompts = [[5, 9, 3, 17, 40, 2], [7, 7, 1]]
+  for gcfg in (GenerationConfig(gen_length=16, block_length=8, threshold=0.55, cache="dual"),
+               GenerationConfig(gen_length=16, block_length=8, threshold=0.7, cont_weight=0.4, temperature=0.8),
+               GenerationConfig(gen_length=16, block_length=8, decoder="credit", threshold=0.6, credit_beta=0.5,
+                                credit_gamma=0.5, credit_alpha=1.5)):
+    res = generate(model_a, prompts, gcfg, seed=4)
+    lay, static = gen_lib.prepare(mcfg, prompts, gcfg)
+    out = jax.jit(loop.run, static_argnames=tuple(static))(
+        gen_lib.inference_params(params), jnp.asarray(lay.canvas), jnp.asarray(lay.valid),
+        jnp.asarray(lay.positions), jax.random.PRNGKey(4), **static)
+    ref = gen_lib.collect(lay, out, len(prompts), static["eos_id"])
+    assert (res.canvas, res.commit_step, res.nfe) == (ref.canvas, ref.commit_step, ref.nfe), gcfg
+
+
+def test_program_config_keeps_the_structure():
+  g = GenerationConfig(threshold=0.4, temperature=0.3, cont_weight=0.2, decoder="hierarchy", low_threshold=0.1)
+  p = g.program_config()
+  assert p == g.replace(threshold=0.95, temperature=2.0, cont_weight=0.9, low_threshold=0.5).program_config()
+  assert p != g.replace(temperature=0.0).program_config()  # argmax vs sampling: another program
+  assert p != g.replace(cont_weight=0.0).program_config()  # smoothing off: another program
+  assert p.gen_length == g.gen_length and p.decoder == g.decoder and p.cache == g.cache
+
+
 # ----------------------------------------------------------------------------- (b) early stop
 
 def test_early_stop_fill_and_returned_tokens(model_a):
