@@ -52,6 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
   prompts = prompt_input.collect(args.prompts, args.file)
   mesh = setup_parallel(args)  # before any JAX computation (jax.distributed.initialize requires it)
+  cli_common.use_compile_cache(args)
   model = dinfer_jax.load(args.model, dtype=args.dtype, mesh=mesh)
   from dinfer_jax import diagnostics
   ids = encode_prompts(model, prompts, raw=args.raw, system=args.system)
@@ -120,6 +121,7 @@ def build_parser(model_defaults: dict[str, Any] | None = None) -> argparse.Argum
   g.add_argument("--file", "-f", default=None, help="more prompts: one per line, or JSONL ({\"prompt\": ...} or "
                  "{\"messages\": [...]}); '-' is stdin")
   cli_common.add_model_flags(g)
+  cli_common.add_compile_cache_flag(g)
   g.add_argument("--seed", type=int, default=0)
   g.add_argument("--raw", action="store_true", help="do not apply the tokenizer's chat template")
   g.add_argument("--system", default=None, help="a system prompt before each text prompt (chat template)")

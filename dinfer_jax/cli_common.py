@@ -26,6 +26,24 @@ def add_model_flags(ap: argparse.ArgumentParser, *, dtype: bool = True) -> None:
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
 
 
+def add_compile_cache_flag(ap: argparse.ArgumentParser) -> None:
+  ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                  help="JAX's persistent compilation cache: the next run loads the compiled programs instead of "
+                       "compiling them (default: $XDG_CACHE_HOME/dinfer-jax/xla, else ~/.cache/dinfer-jax/xla; "
+                       "off: none)")
+
+
+def use_compile_cache(args: argparse.Namespace) -> pathlib.Path | None:
+  """Turns on the --compile-cache (before anything compiles); a directory that cannot be made is a warning."""
+  from dinfer_jax.engine.programs import enable_disk_cache
+  where = getattr(args, "compile_cache", None)
+  path = enable_disk_cache(where)
+  if path is None and where != "off":
+    print(f"warning: cannot create the compilation cache directory {where or 'default'}; programs compile "
+          "at every start", file=sys.stderr, flush=True)
+  return path
+
+
 GENERATION_DEFAULTS_FILE = "generation_config.json"
 
 

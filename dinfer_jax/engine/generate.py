@@ -146,14 +146,18 @@ def unstacked_shardings(un: dict, mcfg: ModelConfig, mesh: jax.sharding.Mesh) ->
 
 
 def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationConfig, *, seed: int = 0,
-                    batch_bucket: int | None = None, on_block=None, mesh: jax.sharding.Mesh | None = None):
+                    batch_bucket: int | None = None, on_block=None, mesh: jax.sharding.Mesh | None = None,
+                    programs=None):
   """Runs the program; returns (layout, device outputs) without host post-processing (for benchmarks).
   on_block(block_index, rows_tokens): see generate. With a mesh the program runs with explicit in/out
-  shardings (see sharded_run)."""
+  shardings (see sharded_run). programs: an engine.programs.ProgramCache to take the program from (and
+  keep it in) instead of jit's own unbounded cache; not with a mesh."""
   lay, static = prepare(mcfg, prompts, gcfg, batch_bucket=batch_bucket, row_multiple=sharding.data_size(mesh))
   prog, knobs = program(static, mcfg.vocab_size)
   params = inference_params(params, mcfg, mesh)
   if mesh is not None:
+    if programs is not None:
+      raise ValueError("generate: a ProgramCache is not supported together with a mesh yet")
     if on_block is not None:
       raise ValueError("generate: streaming (on_block) is not supported together with a mesh yet")
     leaves, treedef = jax.tree_util.tree_flatten(unstacked_shardings(params, mcfg, mesh))
@@ -167,14 +171,61 @@ def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationCo
     return lay, out, static
   args = (params, jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions),
           jax.random.PRNGKey(seed), knobs)
-  if on_block is None:
-    return lay, loop.run_jit()(*args, **prog), static
+  stream = on_block is not None
+  if programs is None:
+    run = functools.partial(loop.run_jit(), **prog, **(dict(stream=True) if stream else {}))
+  else:
+    run = programs.get(program_key(prog, lay, stream), lambda: _compile(args, prog, stream))
+  if not stream:
+    return lay, run(*args), static
   sid = loop.register_stream(_row_tokens_callback(lay, len(normalize_prompts(prompts)), static["eos_id"], on_block))
   try:
-    out = jax.block_until_ready(loop.run_jit()(*args, **prog, stream=True, stream_id=jnp.int32(sid)))
+    out = jax.block_until_ready(run(*args, stream_id=jnp.int32(sid)))
   finally:
     loop.unregister_stream(sid)
   return lay, out, static
+
+
+def program_key(prog: dict[str, Any], lay: Layout, stream: bool) -> tuple:
+  """A compiled program's identity in a ProgramCache (one cache per model: the params' shapes are fixed):
+  its static arguments, the canvas shape and whether it streams."""
+  return (tuple(sorted(prog.items())), lay.canvas.shape, stream)
+
+
+def _compile(args: tuple, prog: dict[str, Any], stream: bool):
+  """loop.run compiled ahead of time for these arguments' shapes (the values are not read)."""
+  extra = dict(stream=True, stream_id=jnp.int32(0)) if stream else {}
+  return loop.run_jit().lower(*args, **prog, **extra).compile()
+
+
+def _program_args(params, mcfg: ModelConfig, prompts, gcfg: GenerationConfig, batch_bucket: int | None):
+  lay, static = prepare(mcfg, prompts, gcfg, batch_bucket=batch_bucket)
+  prog, knobs = program(static, mcfg.vocab_size)
+  abstract = lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype)  # noqa: E731
+  args = (inference_params(params, mcfg), *(abstract(a) for a in (lay.canvas, lay.valid, lay.positions)),
+          abstract(jax.random.PRNGKey(0)), {k: abstract(v) for k, v in knobs.items()})
+  return lay, prog, args
+
+
+def program_ready(programs, model, prompts, gcfg: GenerationConfig, *, batch_bucket: int | None = None,
+                  stream: bool = False) -> bool:
+  """Whether `programs` holds the program generate(model, prompts, gcfg, ...) would run (nothing compiles)."""
+  params, mcfg = (model.params, model.config) if hasattr(model, "params") else model
+  lay, static = prepare(mcfg, prompts, gcfg, batch_bucket=batch_bucket)
+  return programs.ready(program_key(program(static, mcfg.vocab_size)[0], lay, stream))
+
+
+def compile_program(programs, model, prompts, gcfg: GenerationConfig, *, batch_bucket: int | None = None,
+                    stream: bool = False) -> bool:
+  """Puts into `programs` the program generate(model, prompts, gcfg, ...) would run, compiled without running
+  it. Returns whether it had to be built."""
+  params, mcfg = (model.params, model.config) if hasattr(model, "params") else model
+  lay, prog, args = _program_args(params, mcfg, prompts, gcfg, batch_bucket)
+  key = program_key(prog, lay, stream)
+  if programs.ready(key):
+    return False
+  programs.get(key, lambda: _compile(args, prog, stream))
+  return True
 
 
 def _row_tokens_callback(lay: Layout, n_rows: int, eos_id: int, on_block):
@@ -233,7 +284,7 @@ def collect(lay: Layout, out: dict, n_rows: int, eos_id: int) -> GenerationResul
 
 
 def generate(model, prompts, config: GenerationConfig | None = None, *, seed: int = 0,
-             batch_bucket: int | None = None, on_block=None) -> GenerationResult:
+             batch_bucket: int | None = None, on_block=None, programs=None) -> GenerationResult:
   """Generates for a batch of prompts (a list of token-id lists, ragged, or one list).
 
   Args:
@@ -245,10 +296,12 @@ def generate(model, prompts, config: GenerationConfig | None = None, *, seed: in
     on_block: streaming. Called from inside the running program (on a runtime thread) as each block is
       committed, with the block index and, per row, the generated tokens committed so far (before the first
       EOS); a row that stopped early repeats its tokens. The program is compiled once more for streaming.
+    programs: an engine.programs.ProgramCache (one per model) holding the compiled programs, bounded and
+      shareable between threads (the server's); default: jit's own cache.
   """
   params, mcfg = (model.params, model.config) if hasattr(model, "params") else model
   gcfg = config or GenerationConfig()
   prompts = normalize_prompts(prompts)
   lay, out, static = generate_arrays(params, mcfg, prompts, gcfg, seed=seed, batch_bucket=batch_bucket,
-                                     on_block=on_block, mesh=getattr(model, "mesh", None))
+                                     on_block=on_block, mesh=getattr(model, "mesh", None), programs=programs)
   return collect(lay, out, len(prompts), static["eos_id"])

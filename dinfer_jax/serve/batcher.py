@@ -11,10 +11,14 @@ Requests that sample (temperature > 0) run alone, their `n` choices as rows 0..n
 request's seed, so a seeded request gives the same choices every time whatever else is in flight.
 Greedy requests (temperature 0) ignore the seed and need only one row however many choices they ask for.
 
-Every call runs the engine's streaming program (`generate(..., on_block=...)`): as each block is committed
-inside the running program, the worker hands each streaming job its rows' tokens so far. Streaming and
-plain requests therefore share batches and one set of compiled programs; the cost is one device-to-host
-copy of the canvas per block.
+A call that holds a streaming job runs the engine's streaming program (`generate(..., on_block=...)`): as
+each block is committed inside the running program, the worker hands each streaming job its rows' tokens
+so far. Streaming and plain requests share batches; a call without streaming jobs runs the plain program
+(the one JAX's disk cache can keep: it never stores programs with host callbacks).
+
+Programs live in a bounded ProgramCache (engine.programs). A batch whose program is not compiled yet goes
+to a second thread that compiles and runs it, so the batches whose programs are ready go on meanwhile;
+`start_warmup` compiles the likely programs in the background after the server starts listening.
 """
 from __future__ import annotations
 
@@ -26,11 +30,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.generate import GenerationResult, generate, prepare
-
-
-def _ignore(*_):
-  pass
+from dinfer_jax.engine.generate import GenerationResult, compile_program, generate, prepare, program_ready
+from dinfer_jax.engine.programs import ProgramCache
 
 
 class QueueFull(Exception):
@@ -101,11 +102,12 @@ class DynamicBatcher:
     window_s: how long after the oldest waiting request's arrival the worker keeps gathering.
     max_queue: most requests waiting (queued, not yet running); `submit` raises QueueFull beyond it.
     on_batch: called with BatchStats after every engine call; on_drop with each cancelled job dropped.
+    programs: the compiled programs (default: a ProgramCache of 64).
   """
 
   def __init__(self, model, *, max_batch: int = 16, window_s: float = 0.005, max_queue: int = 256,
                on_batch: Callable[[BatchStats], None] | None = None,
-               on_drop: Callable[[Job], None] | None = None):
+               on_drop: Callable[[Job], None] | None = None, programs: ProgramCache | None = None):
     if max_batch < 1 or max_queue < 1 or window_s < 0:
       raise ValueError(f"DynamicBatcher: max_batch={max_batch} and max_queue={max_queue} must be >= 1, "
                        f"window_s={window_s} >= 0")
@@ -121,6 +123,10 @@ class DynamicBatcher:
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
+    self.programs = programs if programs is not None else ProgramCache(64)  # an empty one is falsy
+    self._cold: queue.Queue[list[Job]] = queue.Queue()  # batches whose program must be compiled first
+    self._threads: list[threading.Thread] = []
+    self.warm: threading.Event = threading.Event()  # set when start_warmup has compiled everything
 
   # ------------------------------------------------------------------ client side (any thread)
 
@@ -150,37 +156,89 @@ class DynamicBatcher:
   def start(self) -> "DynamicBatcher":
     if self._thread is None:
       self._thread = threading.Thread(target=self._loop, name="dinfer-batcher", daemon=True)
-      self._thread.start()
+      self._threads = [self._thread, threading.Thread(target=self._cold_loop, name="dinfer-compile-run",
+                                                      daemon=True)]
+      for t in self._threads:
+        t.start()
     return self
 
   def stop(self) -> None:
     self._stop.set()
-    if self._thread is not None:
-      self._thread.join(timeout=10)
+    for t in self._threads:
+      t.join(timeout=10)
 
-  def warmup(self, gcfg: GenerationConfig, prompt_lengths: Sequence[int], *, token_id: int,
-             progress: Callable[[str], None] | None = None) -> int:
-    """Compiles the programs for every batch bucket x prompt length (one prompt per length bucket);
-    lengths the model cannot fit with gcfg.gen_length are skipped. Returns the number of programs run."""
-    done = 0
+  def warmup_specs(self, gcfg: GenerationConfig, prompt_lengths: Sequence[int], *,
+                   token_id: int) -> list[tuple[GenerationConfig, list[int], int]]:
+    """(config, prompt, batch bucket) of every plain program for each batch bucket x prompt length (one
+    prompt per length bucket), batch 1 first; lengths the model cannot fit with gcfg.gen_length are left out."""
+    prompts = []
     for P in prompt_lengths:
       try:
         prepare(self.model.config, [[token_id] * P], gcfg)
       except ValueError:
         continue
-      for b in batch_buckets(self.max_batch):
-        t = time.perf_counter()
-        generate(self.model, [[token_id] * P], gcfg, batch_bucket=b, on_block=_ignore)
-        done += 1
-        if progress:
-          progress(f"warm-up: prompt {P} tokens x batch {b}: {time.perf_counter() - t:.2f}s")
+      prompts.append([token_id] * P)
+    return [(gcfg, p, b) for b in batch_buckets(self.max_batch) for p in prompts]
+
+  def warmup(self, gcfg: GenerationConfig, prompt_lengths: Sequence[int], *, token_id: int,
+             progress: Callable[[str], None] | None = None) -> int:
+    """Compiles (without running) the programs of warmup_specs. Returns the number compiled."""
+    return self._compile_all(self.warmup_specs(gcfg, prompt_lengths, token_id=token_id), progress)
+
+  def start_warmup(self, specs: Sequence[tuple[GenerationConfig, list[int], int]],
+                   progress: Callable[[str], None] | None = None) -> threading.Thread:
+    """Compiles the programs of `specs` (warmup_specs) on a background thread; `warm` is set when done."""
+    def work():
+      try:
+        self._compile_all(specs, progress)
+      finally:
+        self.warm.set()
+    t = threading.Thread(target=work, name="dinfer-warmup", daemon=True)
+    t.start()
+    return t
+
+  def _compile_all(self, specs, progress) -> int:
+    done = 0
+    for i, (g, prompt, b) in enumerate(specs):
+      if self._stop.is_set():
+        break
+      t = time.perf_counter()
+      built = compile_program(self.programs, self.model, [prompt], g, batch_bucket=b)
+      done += built
+      if progress:
+        how = f"{time.perf_counter() - t:.1f}s" if built else "ready"
+        progress(f"compiled {i + 1}/{len(specs)} (prompt {len(prompt)} tokens x batch {b}, "
+                 f"gen {g.gen_length}): {how}")
     return done
 
   def _loop(self) -> None:
     while not self._stop.is_set():
       batch = self._next_batch()
-      if batch:
+      if not batch:
+        continue
+      if self._ready(batch):
         self._run(batch)
+      else:  # its program compiles on the other thread while the ready batches go on here
+        self._cold.put(batch)
+
+  def _cold_loop(self) -> None:
+    while not self._stop.is_set():
+      try:
+        batch = self._cold.get(timeout=0.1)
+      except queue.Empty:
+        continue
+      self._run(batch)
+
+  def _layout(self, jobs: list[Job]):
+    prompts = [j.prompt for j in jobs for _ in range(j.rows)]
+    return prompts, bucket_for(len(prompts), self.max_batch), any(j.on_tokens is not None for j in jobs)
+
+  def _ready(self, jobs: list[Job]) -> bool:
+    prompts, bucket, stream = self._layout(jobs)
+    try:
+      return program_ready(self.programs, self.model, prompts, jobs[0].gcfg, batch_bucket=bucket, stream=stream)
+    except ValueError:
+      return True  # the call fails at once with the engine's message: no need to wait for a compile
 
   def _take(self, job: Job) -> None:
     with self._lock:
@@ -221,8 +279,7 @@ class DynamicBatcher:
 
   def _run(self, jobs: list[Job]) -> None:
     gcfg = jobs[0].gcfg
-    prompts = [j.prompt for j in jobs for _ in range(j.rows)]
-    bucket = bucket_for(len(prompts), self.max_batch)
+    prompts, bucket, stream = self._layout(jobs)
     first_row = list(itertools.accumulate([0] + [j.rows for j in jobs]))
 
     def on_block(_k, rows):
@@ -233,7 +290,7 @@ class DynamicBatcher:
     t = time.perf_counter()
     try:
       res: GenerationResult = generate(self.model, prompts, gcfg, seed=jobs[0].seed, batch_bucket=bucket,
-                                       on_block=on_block)
+                                       on_block=on_block if stream else None, programs=self.programs)
     except Exception as e:  # a failed call fails its jobs, never the worker
       for j in jobs:
         j.on_done(e)

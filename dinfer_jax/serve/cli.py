@@ -1,10 +1,13 @@
 """`dinfer-jax serve [--model PATH] [--host 127.0.0.1] [--port N] [generation flags] [--max-batch N]
-[--batch-window-ms T]`: load, warm the compiled buckets, then serve the OpenAI-compatible API."""
+[--batch-window-ms T]`: load the model and serve the OpenAI-compatible API at once; the likely programs
+compile in the background (a request whose program is not ready waits for it, the others go on), and
+JAX's disk cache (--compile-cache) makes the next start load them instead of compiling them."""
 from __future__ import annotations
 
 import argparse
 import functools
 import sys
+import threading
 import time
 
 
@@ -27,9 +30,13 @@ def register(subparsers, model_defaults=None) -> None:
   s.add_argument("--api-key", default=None,
                  help="require 'Authorization: Bearer KEY' on /v1/* (default: $DINFER_JAX_API_KEY, else none)")
   s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default %(default)s)")
-  s.add_argument("--warmup-max-prompt-len", type=int, default=256,
-                 help="compile every batch bucket for prompts up to this many tokens before serving "
-                      "(0: no warm-up; later buckets compile on first use)")
+  s.add_argument("--warmup-max-prompt-len", type=int, default=64,
+                 help="after the server starts listening, compile in the background every batch bucket's program "
+                      "for prompts up to this many tokens (default %(default)s; 0: none; the others compile on "
+                      "first use)")
+  cli_common.add_compile_cache_flag(s)
+  s.add_argument("--max-programs", type=int, default=128,
+                 help="compiled programs kept in memory, least recently used dropped first (default %(default)s)")
   s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
   cli_common.add_generation_flags(s, model_defaults)
   s.set_defaults(func=cmd_serve)
@@ -53,27 +60,34 @@ def model_name(model, given: str | None) -> str:
 
 
 def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flush=True)):
-  """Loads the model and builds (app, batcher); warms the buckets."""
+  """Loads the model and builds (app, batcher, server config, warm-up specs); nothing compiles here."""
   import dinfer_jax
   from dinfer_jax import cli_common
+  from dinfer_jax.engine.programs import ProgramCache
   from dinfer_jax.serve.app import ServerConfig, create_app
   from dinfer_jax.serve.batcher import DynamicBatcher
   from dinfer_jax.serve.metrics import Metrics
 
+  if args.max_programs < 1:
+    raise SystemExit(f"error: --max-programs {args.max_programs}: must be >= 1")
   model = dinfer_jax.load(args.model, dtype=args.dtype)
   gcfg = cli_common.generation_config(args, model.path)
   metrics = Metrics(args.max_batch)
   batcher = DynamicBatcher(model, max_batch=args.max_batch, window_s=args.batch_window_ms / 1000,
-                           max_queue=args.max_queue, on_batch=metrics.batch, on_drop=metrics.drop)
+                           max_queue=args.max_queue, on_batch=metrics.batch, on_drop=metrics.drop,
+                           programs=ProgramCache(args.max_programs))
   metrics.queue_depth = lambda: batcher.depth
   mask = gcfg.mask_id if gcfg.mask_id is not None else model.config.mask_token_id
-  t = time.perf_counter()
-  n = 0
+  specs = []
   # The model's prompt rules (e.g. long sums: gen_length 32) are programs of their own: warm them too.
   for g in [gcfg] + [r for r in cli_common.rule_generation_configs(args, model.path) if r != gcfg]:
-    n += batcher.warmup(g, warmup_prompt_lengths(model.config, g, args.warmup_max_prompt_len),
-                        token_id=next(i for i in range(model.config.vocab_size) if i != mask))
-  log(f"dinfer-jax serve: warmed {n} compiled programs in {time.perf_counter() - t:.1f}s")
+    specs += batcher.warmup_specs(g, warmup_prompt_lengths(model.config, g, args.warmup_max_prompt_len),
+                                  token_id=next(i for i in range(model.config.vocab_size) if i != mask))
+  # Single requests with short prompts first: what a user tries first.
+  specs.sort(key=lambda sp: (sp[2], len(sp[1])))
+  if len(specs) > args.max_programs:
+    log(f"warning: warm-up compiles {len(specs)} programs but --max-programs is {args.max_programs}: "
+        f"only {args.max_programs} stay ready (raise it or lower --warmup-max-prompt-len)")
   config_for = None
   if model.tokenizer is not None:
     tok = model.tokenizer
@@ -88,7 +102,7 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   scfg = ServerConfig(model_name=model_name(model, args.served_model_name), gcfg=gcfg, timeout_s=args.timeout_s,
                       max_body_bytes=int(args.max_body_mb * 2**20), api_key=api_key(args),
                       config_for=config_for)
-  return create_app(model, batcher, metrics, scfg), batcher, scfg
+  return create_app(model, batcher, metrics, scfg), batcher, scfg, specs
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -114,10 +128,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
   if not is_loopback(args.host) and not api_key(args):
     print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the "
           "model", file=sys.stderr, flush=True)
-  app, batcher, scfg = build(args)
+  from dinfer_jax import cli_common
+  say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+  cache_dir = cli_common.use_compile_cache(args)  # before anything compiles
+  app, batcher, scfg, specs = build(args)
   batcher.start()
-  print(f"dinfer-jax serve: model {scfg.model_name!r} on http://{args.host}:{args.port} "
-        f"(max batch {args.max_batch}, window {args.batch_window_ms:g} ms)", file=sys.stderr, flush=True)
+  if specs:
+    t0 = time.perf_counter()
+    say(f"dinfer-jax serve: compiling {len(specs)} programs in the background "
+        f"(compilation cache: {cache_dir or 'off'})")
+
+    def progress(msg):
+      say(f"dinfer-jax serve: {msg}")
+    warm = batcher.start_warmup(specs, progress)
+    threading.Thread(target=lambda: (warm.join(), say(f"dinfer-jax serve: warm-up done in "
+                                                      f"{time.perf_counter() - t0:.1f}s")), daemon=True).start()
+  say(f"dinfer-jax serve: model {scfg.model_name!r} on http://{args.host}:{args.port} "
+      f"(max batch {args.max_batch}, window {args.batch_window_ms:g} ms)")
   try:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
   finally:

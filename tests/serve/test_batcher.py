@@ -1,6 +1,7 @@
 """The dynamic batcher without HTTP: batched rows equal single runs, bounded queue, cancelled jobs dropped,
 seeded sampling reproducible; the stop/stream text helpers."""
 import threading
+import time
 
 import pytest
 
@@ -119,6 +120,65 @@ def test_validate_uses_the_engine_checks(default_model, default_gcfg):
   b.validate([5, 6], default_gcfg, n=3)  # greedy choices share one row
 
 
+def test_a_batch_whose_program_compiles_does_not_hold_up_ready_ones(default_model, default_gcfg):
+  """A request whose program is not compiled yet waits for it on the compile thread; a later request whose
+  program is ready is answered meanwhile. Both answers equal the prompts run alone."""
+  from dinfer_jax.engine.generate import compile_program
+  from dinfer_jax.engine.programs import ProgramCache
+  programs = ProgramCache(8)
+  b = DynamicBatcher(default_model, max_batch=1, window_s=0.0, programs=programs)
+  short, long_ = [5, 6, 7], [5, 6, 7, 8] * 10  # prompt buckets 16 and 48
+  assert compile_program(programs, default_model, [short], default_gcfg, batch_bucket=1)
+  done, order = {}, []
+  ev = threading.Event()
+
+  def finish(name):
+    def f(res):
+      done[name] = res
+      order.append(name)
+      if len(done) == 2:
+        ev.set()
+    return f
+  b.start()
+  try:
+    b.submit(Job(prompt=long_, gcfg=default_gcfg, on_done=finish("cold")))
+    time.sleep(0.3)  # the cold batch is taken first
+    b.submit(Job(prompt=short, gcfg=default_gcfg, on_done=finish("ready")))
+    assert ev.wait(300)
+  finally:
+    b.stop()
+  assert order == ["ready", "cold"]
+  assert programs.compiles == 2
+  for name, prompt in (("cold", long_), ("ready", short)):
+    assert done[name][0].tokens == dinfer_jax.generate(default_model, [prompt], default_gcfg).tokens[0]
+
+
+def test_program_cache_is_bounded_and_builds_once():
+  from dinfer_jax.engine.programs import ProgramCache
+  pc = ProgramCache(2)
+  built = []
+  gate = threading.Event()
+
+  def slow():
+    gate.wait(5)
+    built.append(1)
+    return object()
+  threads = [threading.Thread(target=pc.get, args=("a", slow)) for _ in range(4)]
+  for t in threads:
+    t.start()
+  time.sleep(0.1)
+  gate.set()
+  for t in threads:
+    t.join()
+  assert len(built) == 1 and pc.compiles == 1  # four callers, one build
+  pc.get("b", object)
+  pc.get("a", object)  # a is used again: b is now the oldest
+  pc.get("c", object)
+  assert pc.ready("a") and pc.ready("c") and not pc.ready("b") and pc.evictions == 1 and len(pc) == 2
+  with pytest.raises(ValueError, match="max_programs"):
+    ProgramCache(0)
+
+
 def test_cut_at_stop():
   assert cut_at_stop("x*3+2", ["+", "*"]) == ("x", True)
   assert cut_at_stop("627", ["9"]) == ("627", False)
@@ -133,21 +193,22 @@ def test_settled_prefix_holds_back_what_later_tokens_may_change():
   assert settled_prefix("ab\ufffd", None) == "ab"  # half a multi-byte character
 
 
-def test_serve_warms_the_prompt_rule_programs_too(monkeypatch):
-  """The default model's long-sum rule (gen_length 32) is a program of its own: the server compiles it
-  before serving, for every prompt bucket, as it does the default config's."""
+def test_serve_warms_the_prompt_rule_programs_too():
+  """The default model's long-sum rule (gen_length 32) is a program of its own: the server's warm-up
+  compiles it for every prompt bucket and batch bucket, as it does the default config's, single short
+  prompts first; building the server compiles nothing."""
   import argparse
 
   from dinfer_jax.serve import cli as serve_cli
-  warmed = []
-  monkeypatch.setattr(DynamicBatcher, "warmup",
-                      lambda self, g, lengths, **kw: warmed.append((g.gen_length, tuple(lengths))) or len(lengths))
   p = argparse.ArgumentParser()
   sub = p.add_subparsers()
   serve_cli.register(sub)
-  args = p.parse_args(["serve", "--warmup-max-prompt-len", "48"])
-  serve_cli.build(args, log=lambda m: None)
-  assert warmed == [(8, (16, 32, 48)), (32, (16, 32, 48))]
+  args = p.parse_args(["serve", "--warmup-max-prompt-len", "48", "--max-batch", "4"])
+  _, batcher, _, specs = serve_cli.build(args, log=lambda m: None)
+  assert len(batcher.programs) == 0 and batcher.programs.compiles == 0
+  got = [(b, len(prompt), g.gen_length) for g, prompt, b in specs]
+  assert sorted(got) == sorted((b, P, G) for b in (1, 2, 4) for P in (16, 32, 48) for G in (8, 32))
+  assert got[:2] == [(1, 16, 8), (1, 16, 32)] and got == sorted(got, key=lambda x: (x[0], x[1]))
   rules = cli_common.rule_generation_configs(args, dinfer_jax.load().path)
   assert [g.gen_length for g in rules] == [32] and rules[0].block_length == 8
   # a flag given on the command line still wins over the rule

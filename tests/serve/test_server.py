@@ -32,13 +32,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
   port = _free_port()
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   proc = subprocess.Popen(
       [sys.executable, "-m", "dinfer_jax.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
        "--max-batch", str(MAX_BATCH), "--batch-window-ms", "20", "--warmup-max-prompt-len", "32",
-       "--timeout-s", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+       "--timeout-s", "60", "--compile-cache", str(tmp_path_factory.mktemp("xla"))], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
   base = f"http://127.0.0.1:{port}"
   deadline = time.monotonic() + 240
   try:
