@@ -29,6 +29,11 @@ def register(subparsers, model_defaults=None) -> None:
   s.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (504 after it)")
   s.add_argument("--api-key", default=None,
                  help="require 'Authorization: Bearer KEY' on /v1/* (default: $DINFER_JAX_API_KEY, else none)")
+  s.add_argument("--header-timeout-s", type=float, default=10.0,
+                 help="close a connection whose request headers are not complete this long after they began "
+                      "(default %(default)s)")
+  s.add_argument("--keep-alive-s", type=float, default=5.0,
+                 help="close a keep-alive connection idle this long after a response (default %(default)s)")
   s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default %(default)s)")
   s.add_argument("--warmup-max-prompt-len", type=int, default=64,
                  help="after the server starts listening, compile in the background every batch bucket's program "
@@ -129,6 +134,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the "
           "model", file=sys.stderr, flush=True)
   from dinfer_jax import cli_common
+  from dinfer_jax.serve.protocol import with_header_timeout
+  if not (args.header_timeout_s > 0 and args.keep_alive_s > 0):
+    raise SystemExit(f"error: --header-timeout-s {args.header_timeout_s} and --keep-alive-s {args.keep_alive_s} "
+                     "must be > 0")
   say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
   cache_dir = cli_common.use_compile_cache(args)  # before anything compiles
   app, batcher, scfg, specs = build(args)
@@ -146,7 +155,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
   say(f"dinfer-jax serve: model {scfg.model_name!r} on http://{args.host}:{args.port} "
       f"(max batch {args.max_batch}, window {args.batch_window_ms:g} ms)")
   try:
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                http=with_header_timeout(args.header_timeout_s), timeout_keep_alive=args.keep_alive_s)
   finally:
     batcher.stop()
   return 0

@@ -1,6 +1,7 @@
 """The server's limits in process (no engine call runs: the batcher's worker is never started): a full
 queue answers 429, a request past its timeout 504 (and is dropped from the queue), both OpenAI-style."""
 import asyncio
+import time
 
 import pytest
 
@@ -84,3 +85,60 @@ def test_non_loopback_without_a_key_is_warned_about():
   from dinfer_jax.serve.cli import is_loopback
   assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
   assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("myhost")
+
+
+def test_half_sent_headers_are_cut_off_and_whole_requests_served():
+  """Connections whose request headers never complete (slowloris) are closed after the headers deadline,
+  also between requests of a keep-alive connection; complete requests are served."""
+  import asyncio
+  import socket
+  import threading
+
+  import uvicorn
+
+  from dinfer_jax.serve.protocol import with_header_timeout
+
+  async def app(scope, receive, send):
+    if scope["type"] != "http":
+      return
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
+                                         http=with_header_timeout(1.0), timeout_keep_alive=30))
+  t = threading.Thread(target=server.run, daemon=True)
+  t.start()
+  try:
+    deadline = time.monotonic() + 20
+    while not server.started:
+      assert time.monotonic() < deadline
+      time.sleep(0.05)
+    slow = []
+    for _ in range(20):
+      c = socket.create_connection(("127.0.0.1", port))
+      c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never the blank line
+      slow.append(c)
+    silent = socket.create_connection(("127.0.0.1", port))  # never sends a byte
+    keep = socket.create_connection(("127.0.0.1", port))
+    keep.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    got = b""
+    while not got.endswith(b"ok"):
+      got += keep.recv(4096)
+    assert got.startswith(b"HTTP/1.1 200")
+    keep.sendall(b"GET / HTTP/1.1\r\nHo")  # the second request's head stalls
+    t0 = time.monotonic()
+    for c in slow + [silent, keep]:
+      c.settimeout(10)
+      assert c.recv(4096) == b"", "a half-sent request head was answered or kept open"
+    assert time.monotonic() - t0 < 8
+    ok = socket.create_connection(("127.0.0.1", port))
+    ok.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert ok.recv(4096).startswith(b"HTTP/1.1 200")
+    for c in slow + [silent, keep, ok]:
+      c.close()
+  finally:
+    server.should_exit = True
+    t.join(10)
