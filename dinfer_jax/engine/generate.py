@@ -210,7 +210,7 @@ def _program_args(params, mcfg: ModelConfig, prompts, gcfg: GenerationConfig, ba
 def program_ready(programs, model, prompts, gcfg: GenerationConfig, *, batch_bucket: int | None = None,
                   stream: bool = False) -> bool:
   """Whether `programs` holds the program generate(model, prompts, gcfg, ...) would run (nothing compiles)."""
-  params, mcfg = (model.params, model.config) if hasattr(model, "params") else model
+  mcfg = model.config if hasattr(model, "params") else model[1]
   lay, static = prepare(mcfg, prompts, gcfg, batch_bucket=batch_bucket)
   return programs.ready(program_key(program(static, mcfg.vocab_size)[0], lay, stream))
 

@@ -180,11 +180,6 @@ class DynamicBatcher:
       prompts.append([token_id] * P)
     return [(gcfg, p, b) for b in batch_buckets(self.max_batch) for p in prompts]
 
-  def warmup(self, gcfg: GenerationConfig, prompt_lengths: Sequence[int], *, token_id: int,
-             progress: Callable[[str], None] | None = None) -> int:
-    """Compiles (without running) the programs of warmup_specs. Returns the number compiled."""
-    return self._compile_all(self.warmup_specs(gcfg, prompt_lengths, token_id=token_id), progress)
-
   def start_warmup(self, specs: Sequence[tuple[GenerationConfig, list[int], int]],
                    progress: Callable[[str], None] | None = None) -> threading.Thread:
     """Compiles the programs of `specs` (warmup_specs) on a background thread; `warm` is set when done."""
