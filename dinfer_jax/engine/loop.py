@@ -25,6 +25,7 @@ from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import iteration
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.layout import Grid
+from dinfer_jax.model.layers import slice_rows, update_rows
 from dinfer_jax.model.transformer import forward
 from dinfer_jax.sharding import CACHE_AXES, CANVAS_AXES, EMBED_AXES, ROW_AXES, shard, shard_rows
 
@@ -91,8 +92,74 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     forwards per prefix window width (grid.windows).
   """
   Bsz, Tc = canvas.shape
-  L, C, W = grid.block_len, grid.first_block, grid.window
   knobs = gcfg.knob_values() if knobs is None else knobs
+  row_keys = jax.vmap(lambda r: jax.random.fold_in(seed, r))(jnp.arange(Bsz))
+  st = init_state(params, canvas, valid, mcfg=mcfg, gcfg=gcfg, grid=grid, mode=mode)
+  if mode == "block_diffusion":
+    # Prefill the prompt's blocks with the block-causal mask (dInfer's BlockDiffusionRunner.prefill).
+    P = grid.prefill_len
+    blk_of = jnp.arange(P) // grid.block_len
+    bc = (blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :P]
+    out = forward(params, mcfg, canvas[:, :P], positions=positions[:, :P], mask=bc, kv_layers=True)
+    st["cache"] = jax.tree_util.tree_map(lambda c, n: c.at[:, :P].set(n.astype(c.dtype)), st["cache"], out.kv)
+    st["nfe"] = st["nfe"] + 1
+    st["n"] = st["n"] + 1
+
+  body = block_body(params, valid, positions, row_keys, knobs, mcfg=mcfg, gcfg=gcfg, grid=grid, decoder=decoder,
+                    mode=mode, block_causal=block_causal, mask_id=mask_id, eos_id=eos_id)
+
+  def one_block(st):
+    out = body(st)
+    if stream:  # the block is final: hand it to the host now, not when the whole program returns
+      io_callback(_emit_block, None, stream_id, st["block"], out["canvas"], ordered=True)
+    return out
+
+  def block_cond(st):
+    return (st["block"] < grid.num_blocks) & ~st["done"].all()
+
+  st = jax.lax.while_loop(block_cond, one_block, st)
+  return {"canvas": st["canvas"], "commit": st["commit"], "row_nfe": st["n"], "nfe": st["nfe"],
+          "n_full": st["n_full"], "n_cached": st["n_cached"], "n_window": st["n_window"]}
+
+
+def init_state(params: dict, canvas: jax.Array, valid: jax.Array, *, mcfg: ModelConfig, gcfg: GenerationConfig,
+               grid: Grid, mode: str, block: jax.Array | None = None) -> dict[str, Any]:
+  """The loop carry before the first block: block a scalar (the offline loop's shared block grid) or, given
+  as [B], one block index per row (continuous batching)."""
+  Bsz, Tc = canvas.shape
+  st: dict[str, Any] = {
+      "canvas": canvas,
+      "commit": jnp.full((Bsz, Tc), -1, jnp.int32),
+      "n": jnp.zeros((Bsz,), jnp.int32),
+      "nfe": jnp.zeros((), jnp.int32),
+      "n_full": jnp.zeros((), jnp.int32),
+      "n_cached": jnp.zeros((), jnp.int32),
+      "done": ~valid.any(axis=1),
+      "block": jnp.zeros((), jnp.int32) if block is None else block,
+      # cached forwards per prefix window width (grid.windows); one unused slot in the other modes
+      "n_window": jnp.zeros((max(len(grid.windows), 1),), jnp.int32),
+  }
+  if gcfg.smoothing:
+    st["emb"] = jnp.take(params["embed"], canvas, axis=0)
+  if mode in ("prefix", "dual", "block_diffusion"):
+    # One buffer per layer: cached forwards update them in place (transformer.forward keep_cache).
+    st["cache"] = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, params["embed"].dtype,
+                                per_layer=True)
+  return _constrain(st)
+
+
+def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: jax.Array,
+               knobs: dict[str, jax.Array], *, mcfg: ModelConfig, gcfg: GenerationConfig, grid: Grid,
+               decoder: Any, mode: str, block_causal: bool, mask_id: int, eos_id: int):
+  """The function that decodes one block of every row: st -> st (init_state's carry), run by `run`'s block
+  loop and, one call per program, by continuous batching (engine.slots).
+
+  With a scalar st["block"] every row's block starts at the same canvas index (layout's shared grid); with
+  [B] blocks each row's block is its own, and slices of the canvas, the logits and the cache window are
+  taken per row (gathers instead of dynamic slices). Rows whose `done` is set take no part.
+  """
+  Bsz, Tc = valid.shape
+  L, C, W = grid.block_len, grid.first_block, grid.window
   decoder = decoders.with_knobs(decoder, knobs)
   # Python 0.0 keeps the argmax program; a value means this program samples (gcfg.temperature > 0).
   temperature = knobs["temperature"] if gcfg.temperature > 0 else 0.0
@@ -104,38 +171,9 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
   # Per block: at most L commit steps, plus the refresh's owed cached step, the warm-up forwards and block
   # diffusion's final forward, all counted per row and rows can be out of step with each other.
   max_iters = 2 * (L + warmup + 2)
-  row_keys = jax.vmap(lambda r: jax.random.fold_in(seed, r))(jnp.arange(Bsz))
+  rows_col = lambda x: jnp.reshape(x, (-1, 1))  # noqa: E731  a scalar or [B] per-row index, as a column
 
-  st: dict[str, Any] = {
-      "canvas": canvas,
-      "commit": jnp.full((Bsz, Tc), -1, jnp.int32),
-      "n": jnp.zeros((Bsz,), jnp.int32),
-      "nfe": jnp.zeros((), jnp.int32),
-      "n_full": jnp.zeros((), jnp.int32),
-      "n_cached": jnp.zeros((), jnp.int32),
-      "done": ~valid.any(axis=1),
-      "block": jnp.zeros((), jnp.int32),
-      # cached forwards per prefix window width (grid.windows); one unused slot in the other modes
-      "n_window": jnp.zeros((max(len(grid.windows), 1),), jnp.int32),
-  }
-  if smoothing:
-    st["emb"] = jnp.take(table, canvas, axis=0)
-  if cached_mode:
-    # One buffer per layer: cached forwards update them in place (transformer.forward keep_cache).
-    st["cache"] = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, table.dtype,
-                                per_layer=True)
-
-  st = _constrain(st)
   blk_of = col // L  # canvas blocks; block diffusion keeps pads whole blocks, so these are position blocks
-  if mode == "block_diffusion":
-    # Prefill the prompt's blocks with the block-causal mask (dInfer's BlockDiffusionRunner.prefill).
-    P = grid.prefill_len
-    bc = (blk_of[None, :P, None] >= blk_of[None, None, :P]) & valid[:, None, :P]
-    out = forward(params, mcfg, canvas[:, :P], positions=positions[:, :P], mask=bc, kv_layers=True)
-    st["cache"] = jax.tree_util.tree_map(lambda c, n: c.at[:, :P].set(n.astype(c.dtype)), st["cache"], out.kv)
-    st["nfe"] = st["nfe"] + 1
-    st["n"] = st["n"] + 1
-
   if block_causal:
     full_mask = (blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]
   else:
@@ -155,16 +193,14 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     place and restores them (out.kv is the cache, to carry on instead of st["cache"]); block diffusion gets
     the attended K/V to persist."""
     if smoothing:
-      inp = {"embeds": jax.lax.dynamic_slice_in_dim(st["emb"], c0, width, axis=1)}
+      inp = {"embeds": slice_rows(st["emb"], c0, width)}
       lg = {}
     else:
-      inp = {"tokens": jax.lax.dynamic_slice_in_dim(st["canvas"], c0, width, axis=1)}
+      inp = {"tokens": slice_rows(st["canvas"], c0, width)}
       lg = {"logits_start": s - c0, "logits_len": L}
-    return forward(params, mcfg, positions=jax.lax.dynamic_slice_in_dim(positions, c0, width, axis=1),
+    return forward(params, mcfg, positions=slice_rows(positions, c0, width),
                    mask=key_mask, cache=st["cache"], cache_start=c0, write_mask=write,
                    keep_cache=mode != "block_diffusion", **inp, **lg)
-
-  windowed = mode == "prefix" and len(grid.windows) > 1
 
   def prefix_forward(st, s, width):
     """The prefix cache's cached forward over the narrowest bucketed window that holds the block and
@@ -181,31 +217,16 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     write = jnp.broadcast_to((C + jnp.arange(W) >= s)[None, :], (Bsz, W))
     return logits, out.kv, jnp.asarray(C, jnp.int32), write
 
-  def cached_forward(st, s, rows_persist, win):
-    """Window forward over the cache; block diffusion persists the fresh K/V of its rows. win: the prefix
-    window's index into grid.windows (static: one switch branch per width)."""
-    if windowed:
-      return prefix_forward(st, s, grid.windows[win])
-    if mode == "block_diffusion":
-      c0, lo, hi = s, s, s + L
-      key_mask = valid & (col[None, :] < s + L)  # the cache holds exactly the positions before the block end
-    else:
-      c0, lo, hi = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W)
-      key_mask = valid
-    wcol = c0 + jnp.arange(W)
-    write = jnp.broadcast_to(((wcol >= lo) & (wcol < hi))[None, :], (Bsz, W))
-    out = window_forward(st, s, c0, W, key_mask, write)
-    if mode == "block_diffusion":
-      return out.logits, cache_lib.select_rows(rows_persist, out.kv, st["cache"]), c0, write
-    return out.logits, out.kv, c0, write  # the cache, restored in place
-
-  def block_body(st):
-    s = C + st["block"] * L
-    # the prefix cache's window width for this block (one per block, not per step)
-    win = iteration.prefix_window_index(s, widths=grid.windows, gen_end=Tc) if grid.windows else None
-    blk = lambda a: jax.lax.dynamic_slice_in_dim(a, s, L, axis=1)
+  def body(st):
+    s = C + st["block"] * L  # [] or [B]
+    per_row = jnp.ndim(s) == 1
+    # The prefix cache's window width for this block (one per block, not per step); rows at blocks of their
+    # own take the widest.
+    win = iteration.prefix_window_index(s, widths=grid.windows, gen_end=Tc) if grid.windows and not per_row else None
+    windowed = mode == "prefix" and len(grid.windows) > 1 and not per_row
+    blk = lambda a: slice_rows(a, s, L)  # noqa: E731
     maskable = blk(valid) & ~st["done"][:, None]
-    more_after = (valid & (col[None, :] >= s + L)).any(axis=1)  # the row's canvas goes on after this block
+    more_after = (valid & (col[None, :] >= rows_col(s) + L)).any(axis=1)  # the row's canvas goes on after this block
     bst = dict(st)
     bst["dec"] = _init_rows(decoder, blk(st["canvas"]), maskable)
     bst["refreshed"] = jnp.zeros((Bsz,), bool)
@@ -214,6 +235,24 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     bst["final"] = jnp.zeros((Bsz,), bool)  # block diffusion's clean-K/V forward after the last commit
     bst["iters"] = jnp.zeros((), jnp.int32)
     bst = _constrain(bst)
+
+    def cached_forward(st, rows_persist, win):
+      """Window forward over the cache; block diffusion persists the fresh K/V of its rows. win: the prefix
+      window's index into grid.windows (static: one switch branch per width)."""
+      if windowed:
+        return prefix_forward(st, s, grid.windows[win])
+      if mode == "block_diffusion":
+        c0, lo, hi = s, s, s + L
+        key_mask = valid & (col[None, :] < rows_col(s) + L)  # the cache holds exactly the positions before the block end
+      else:
+        c0, lo, hi = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W)
+        key_mask = valid
+      wcol = rows_col(c0) + jnp.arange(W)
+      write = jnp.broadcast_to((wcol >= rows_col(lo)) & (wcol < rows_col(hi)), (Bsz, W))
+      out = window_forward(st, s, c0, W, key_mask, write)
+      if mode == "block_diffusion":
+        return out.logits, cache_lib.select_rows(rows_persist, out.kv, st["cache"]), c0, write
+      return out.logits, out.kv, c0, write  # the cache, restored in place
 
     def has_masks(cv):
       return (blk(cv) == mask_id).any(axis=1) & ~st["done"]
@@ -253,7 +292,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
           # The cached forward reads the cache as refreshed by this iteration's full forward (a refreshing
           # row is never cached in the same iteration, so that read only matters for other rows: unchanged).
           if do_cached:
-            cl, cache, c0, write = cached_forward(dict(b, cache=cache), s, use_cached, cached)
+            cl, cache, c0, write = cached_forward(dict(b, cache=cache), use_cached, cached)
           else:
             c0, _, _ = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W) \
                 if mode != "block_diffusion" else (s, s, s + L)
@@ -283,8 +322,8 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
 
       # The block's logits per row, from whichever forward the row took.
       if smoothing:
-        full_blk = jax.lax.dynamic_slice_in_dim(full_logits, s, L, axis=1)
-        cached_blk = None if cached_logits is None else jax.lax.dynamic_slice_in_dim(cached_logits, s - c0, L, axis=1)
+        full_blk = slice_rows(full_logits, s, L)
+        cached_blk = None if cached_logits is None else slice_rows(cached_logits, s - c0, L)
       else:
         full_blk, cached_blk = full_logits, cached_logits
       logits = full_blk if cached_blk is None else jnp.where(use_full[:, None, None], full_blk, cached_blk)
@@ -297,10 +336,10 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       committed = committed & active[:, None]
       new_tokens = jnp.where(active[:, None], new_tokens, tokens)
       nb["dec"] = _where_rows(active, new_dec, b["dec"])
-      nb["canvas"] = jax.lax.dynamic_update_slice_in_dim(b["canvas"], new_tokens, s, axis=1)
+      nb["canvas"] = update_rows(b["canvas"], new_tokens, s)
       step_idx = b["n"] + 1  # this forward's 1-based index for the row
       commit_blk = jnp.where(committed, step_idx[:, None], blk(b["commit"]))
-      nb["commit"] = jax.lax.dynamic_update_slice_in_dim(b["commit"], commit_blk, s, axis=1)
+      nb["commit"] = update_rows(b["commit"], commit_blk, s)
 
       if smoothing:
         w = iteration.smooth_weight(b["n"], knobs["cont_weight"])
@@ -311,11 +350,11 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
         else:
           emb = b["emb"]
         if cached_mode:
-          wtok = jax.lax.dynamic_slice_in_dim(nb["canvas"], c0, W, axis=1)
+          wtok = slice_rows(nb["canvas"], c0, W)
           soft_win = iteration.soft_embed(table, wtok, cached_logits, wtok == mask_id, w)
-          old_win = jax.lax.dynamic_slice_in_dim(emb, c0, W, axis=1)
+          old_win = slice_rows(emb, c0, W)
           upd = use_cached[:, None, None] & write[:, :, None]
-          emb = jax.lax.dynamic_update_slice_in_dim(emb, jnp.where(upd, soft_win, old_win), c0, axis=1)
+          emb = update_rows(emb, jnp.where(upd, soft_win, old_win), c0)
         nb["emb"] = emb
 
       nb["iters"] = b["iters"] + 1
@@ -325,7 +364,7 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
       nb["nfe"] = b["nfe"] + ran_full + ran_cached
       nb["n_full"] = b["n_full"] + ran_full
       nb["n_cached"] = b["n_cached"] + ran_cached
-      if grid.windows:
+      if win is not None:
         nb["n_window"] = b["n_window"].at[win].add(ran_cached)
       nb["refreshed"] = b["refreshed"] | refresh_rows
       if gcfg.dinfer_compat:
@@ -346,21 +385,13 @@ def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
     cv = out["canvas"]
     has_eos = (blk(cv) == eos_id).any(axis=1) & blk(valid).any(axis=1) & ~st["done"]
     if gcfg.early_stop:
-      fill = has_eos[:, None] & (col[None, :] >= s + L) & valid
+      fill = has_eos[:, None] & (col[None, :] >= rows_col(s) + L) & valid
       out["canvas"] = jnp.where(fill, eos_id, cv)
       out["done"] = st["done"] | has_eos
     out["block"] = st["block"] + 1
-    out = _constrain(out)
-    if stream:  # the block is final: hand it to the host now, not when the whole program returns
-      io_callback(_emit_block, None, stream_id, st["block"], out["canvas"], ordered=True)
-    return out
+    return _constrain(out)
 
-  def block_cond(st):
-    return (st["block"] < grid.num_blocks) & ~st["done"].all()
-
-  st = jax.lax.while_loop(block_cond, block_body, st)
-  return {"canvas": st["canvas"], "commit": st["commit"], "row_nfe": st["n"], "nfe": st["nfe"],
-          "n_full": st["n_full"], "n_cached": st["n_cached"], "n_window": st["n_window"]}
+  return body
 
 
 STATIC = ("mcfg", "gcfg", "grid", "decoder", "mode", "block_causal", "mask_id", "eos_id", "stream")

@@ -39,3 +39,19 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
   g = jnp.einsum("...D,DF->...F", x, gate.astype(x.dtype))
   u = jnp.einsum("...D,DF->...F", x, up.astype(x.dtype))
   return jnp.einsum("...F,FD->...D", jax.nn.silu(g) * u, down.astype(x.dtype))
+
+
+def slice_rows(a: jax.Array, start: jax.Array | int, size: int, axis: int = 1) -> jax.Array:
+  """a[:, start:start + size] along `axis` (>= 1; axis 0 is the batch): `start` a scalar (one dynamic
+  slice, the offline engine's shared block grid) or [B], one start per row (continuous batching, where
+  every row is at its own block)."""
+  if jnp.ndim(start) == 0:
+    return jax.lax.dynamic_slice_in_dim(a, start, size, axis=axis)
+  return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, size, axis=axis - 1))(a, start)
+
+
+def update_rows(a: jax.Array, update: jax.Array, start: jax.Array | int, axis: int = 1) -> jax.Array:
+  """a with update written at [start, start + update.shape[axis]) along `axis`; start as in slice_rows."""
+  if jnp.ndim(start) == 0:
+    return jax.lax.dynamic_update_slice_in_dim(a, update, start, axis=axis)
+  return jax.vmap(lambda r, u, s: jax.lax.dynamic_update_slice_in_dim(r, u, s, axis=axis - 1))(a, update, start)

@@ -17,7 +17,7 @@ from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import moe as moe_lib
 from dinfer_jax.model.attention import attention, attention_mask
-from dinfer_jax.model.layers import rms_norm, rope, swiglu
+from dinfer_jax.model.layers import rms_norm, rope, slice_rows, swiglu, update_rows
 from dinfer_jax.sharding import shard
 
 
@@ -47,8 +47,8 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_
   else:
     ck, cv = kv_in
     T = x.shape[1]
-    old_k = jax.lax.dynamic_slice_in_dim(ck, cache_start, T, axis=1)
-    old_v = jax.lax.dynamic_slice_in_dim(cv, cache_start, T, axis=1)
+    old_k = slice_rows(ck, cache_start, T)
+    old_v = slice_rows(cv, cache_start, T)
     if restore:
       # The overwritten slots must be read into their own buffers before the in-place write: XLA would
       # otherwise fuse the slice into the restoring update, keep the whole buffer live across the write
@@ -60,14 +60,14 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_
       wm = write_mask[:, :, None, None]
       k = jnp.where(wm, k, old_k.astype(dt))
       v = jnp.where(wm, v, old_v.astype(dt))
-    keys = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_start, axis=1)
-    vals = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_start, axis=1)
+    keys = update_rows(ck, k.astype(ck.dtype), cache_start)
+    vals = update_rows(cv, v.astype(cv.dtype), cache_start)
   a = attention(q, keys.astype(dt), vals.astype(dt), mask)
   if restore:
     # Attention has read the buffers before they are restored (in place again).
     a, keys, vals = jax.lax.optimization_barrier((a, keys, vals))
-    keys = jax.lax.dynamic_update_slice_in_dim(keys, old_k, cache_start, axis=1)
-    vals = jax.lax.dynamic_update_slice_in_dim(vals, old_v, cache_start, axis=1)
+    keys = update_rows(keys, old_k, cache_start)
+    vals = update_rows(vals, old_v, cache_start)
   x = x + jnp.einsum("BTNH,NHD->BTD", a, lp["o"].astype(dt))
   h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
   if moe:
@@ -95,7 +95,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     mask: None (full bidirectional), [B, S] key validity or [B, T, S] per-query mask; True = may attend.
     cache: KVCache to attend to (stacked [n_layers, B, S, K, H] or per layer); None for a full forward
       (then S = T).
-    cache_start: canvas index of the first input position in the cache (scalar, may be traced).
+    cache_start: canvas index of the first input position in the cache (scalar, may be traced; or [B], one
+      per row, for continuous batching).
     write_mask: [B, T] bool; inputs whose fresh K/V replace the cached ones (default: all).
     logits_start, logits_len: compute logits only for inputs [start, start + len) (the LM head is the
       largest matmul at V=157k; the engine only needs the block's logits).
@@ -179,7 +180,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
 
   x = rms_norm(x, params["final_norm"], cfg.rms_eps)
   if logits_len is not None:
-    x = jax.lax.dynamic_slice_in_dim(x, logits_start, logits_len, axis=1)
+    x = slice_rows(x, logits_start, logits_len)
   # Logits in fp32: decoding confidences and thresholds are computed from them.
   logits = jnp.einsum("BTD,DV->BTV", x, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
   return ForwardOut(logits=shard(logits, ("act_batch", "act_len", "vocab")), kv=kv)

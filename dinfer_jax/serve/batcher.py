@@ -93,27 +93,25 @@ class BatchStats:
   jobs: int
 
 
-class DynamicBatcher:
-  """Bounded queue + one worker thread running batched engine calls.
+class Batcher:
+  """Bounded queue + engine worker threads; the scheduling is the subclass's (DynamicBatcher: windows of
+  whole calls; serve.continuous.ContinuousBatcher: slots refilled at block boundaries).
 
   Args:
     model: a dinfer_jax Model.
-    max_batch: most rows per engine call.
-    window_s: how long after the oldest waiting request's arrival the worker keeps gathering.
+    max_batch: most rows decoded at once.
     max_queue: most requests waiting (queued, not yet running); `submit` raises QueueFull beyond it.
     on_batch: called with BatchStats after every engine call; on_drop with each cancelled job dropped.
     programs: the compiled programs (default: a ProgramCache of 64).
   """
 
-  def __init__(self, model, *, max_batch: int = 16, window_s: float = 0.005, max_queue: int = 256,
+  def __init__(self, model, *, max_batch: int = 16, max_queue: int = 256,
                on_batch: Callable[[BatchStats], None] | None = None,
                on_drop: Callable[[Job], None] | None = None, programs: ProgramCache | None = None):
-    if max_batch < 1 or max_queue < 1 or window_s < 0:
-      raise ValueError(f"DynamicBatcher: max_batch={max_batch} and max_queue={max_queue} must be >= 1, "
-                       f"window_s={window_s} >= 0")
+    if max_batch < 1 or max_queue < 1:
+      raise ValueError(f"{type(self).__name__}: max_batch={max_batch} and max_queue={max_queue} must be >= 1")
     self.model = model
     self.max_batch = max_batch
-    self.window_s = window_s
     self.max_queue = max_queue
     self._on_batch = on_batch or (lambda s: None)
     self._on_drop = on_drop or (lambda j: None)
@@ -124,7 +122,6 @@ class DynamicBatcher:
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self.programs = programs if programs is not None else ProgramCache(64)  # an empty one is falsy
-    self._cold: queue.Queue[list[Job]] = queue.Queue()  # batches whose program must be compiled first
     self._threads: list[threading.Thread] = []
     self.warm: threading.Event = threading.Event()  # set when start_warmup has compiled everything
 
@@ -153,11 +150,14 @@ class DynamicBatcher:
 
   # ------------------------------------------------------------------ worker
 
-  def start(self) -> "DynamicBatcher":
+  def _workers(self) -> list[tuple[str, Callable[[], None]]]:
+    """(thread name, body) of the engine threads."""
+    raise NotImplementedError
+
+  def start(self) -> "Batcher":
     if self._thread is None:
-      self._thread = threading.Thread(target=self._loop, name="dinfer-batcher", daemon=True)
-      self._threads = [self._thread, threading.Thread(target=self._cold_loop, name="dinfer-compile-run",
-                                                      daemon=True)]
+      self._threads = [threading.Thread(target=f, name=name, daemon=True) for name, f in self._workers()]
+      self._thread = self._threads[0]
       for t in self._threads:
         t.start()
     return self
@@ -198,13 +198,41 @@ class DynamicBatcher:
       if self._stop.is_set():
         break
       t = time.perf_counter()
-      built = compile_program(self.programs, self.model, [prompt], g, batch_bucket=b)
+      built = self._compile_spec(g, prompt, b)
       done += built
       if progress:
         how = f"{time.perf_counter() - t:.1f}s" if built else "ready"
         progress(f"compiled {i + 1}/{len(specs)} (prompt {len(prompt)} tokens x batch {b}, "
                  f"gen {g.gen_length}): {how}")
     return done
+
+  def _compile_spec(self, gcfg: GenerationConfig, prompt: list[int], bucket: int) -> bool:
+    """Compiles the program a warm-up spec stands for; returns whether it had to be built."""
+    raise NotImplementedError
+
+  def _take(self, job: Job) -> None:
+    with self._lock:
+      self._depth -= 1
+
+
+class DynamicBatcher(Batcher):
+  """Window batching: one engine call per batch of requests that arrived within `window_s` of the oldest
+  (see the module docstring). window_s: how long after the oldest waiting request's arrival the worker
+  keeps gathering; the other arguments are Batcher's."""
+  kind = "window"
+
+  def __init__(self, model, *, window_s: float = 0.005, **kw):
+    if window_s < 0:
+      raise ValueError(f"DynamicBatcher: window_s={window_s} must be >= 0")
+    super().__init__(model, **kw)
+    self.window_s = window_s
+    self._cold: queue.Queue[list[Job]] = queue.Queue()  # batches whose program must be compiled first
+
+  def _workers(self):
+    return [("dinfer-batcher", self._loop), ("dinfer-compile-run", self._cold_loop)]
+
+  def _compile_spec(self, gcfg, prompt, bucket) -> bool:
+    return compile_program(self.programs, self.model, [prompt], gcfg, batch_bucket=bucket)
 
   def _loop(self) -> None:
     while not self._stop.is_set():
@@ -234,10 +262,6 @@ class DynamicBatcher:
       return program_ready(self.programs, self.model, prompts, jobs[0].gcfg, batch_bucket=bucket, stream=stream)
     except ValueError:
       return True  # the call fails at once with the engine's message: no need to wait for a compile
-
-  def _take(self, job: Job) -> None:
-    with self._lock:
-      self._depth -= 1
 
   def _next_batch(self) -> list[Job]:
     if not self._pending:

@@ -22,9 +22,14 @@ def register(subparsers, model_defaults=None) -> None:
   s.add_argument("--served-model-name", default=None,
                  help="the `model` clients must send (default: 'default' for the embedded model, else the "
                       "directory's name)")
-  s.add_argument("--max-batch", type=int, default=16, help="most rows per engine call (default %(default)s)")
+  s.add_argument("--batching", choices=["continuous", "window"], default="continuous",
+                 help="continuous: rows leave as they finish and waiting requests take their slots at the next "
+                      "block boundary; window: requests that arrive within --batch-window-ms run as one engine "
+                      "call to its end (default %(default)s)")
+  s.add_argument("--max-batch", type=int, default=16, help="most rows decoded at once (default %(default)s)")
   s.add_argument("--batch-window-ms", type=float, default=5.0,
-                 help="gather requests for this long after the oldest waiting one arrived (default %(default)s)")
+                 help="window batching: gather requests for this long after the oldest waiting one arrived "
+                      "(default %(default)s)")
   s.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
   s.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (504 after it)")
   s.add_argument("--api-key", default=None,
@@ -71,6 +76,7 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   from dinfer_jax.engine.programs import ProgramCache
   from dinfer_jax.serve.app import ServerConfig, create_app
   from dinfer_jax.serve.batcher import DynamicBatcher
+  from dinfer_jax.serve.continuous import ContinuousBatcher
   from dinfer_jax.serve.metrics import Metrics
 
   if args.max_programs < 1:
@@ -78,9 +84,15 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   model = dinfer_jax.load(args.model, dtype=args.dtype)
   gcfg = cli_common.generation_config(args, model.path)
   metrics = Metrics(args.max_batch)
-  batcher = DynamicBatcher(model, max_batch=args.max_batch, window_s=args.batch_window_ms / 1000,
-                           max_queue=args.max_queue, on_batch=metrics.batch, on_drop=metrics.drop,
-                           programs=ProgramCache(args.max_programs))
+  common = dict(max_batch=args.max_batch, max_queue=args.max_queue, on_batch=metrics.batch, on_drop=metrics.drop,
+                programs=ProgramCache(args.max_programs))
+  if args.batching == "window" or model.config.family == "llada2_moe":
+    if args.batching != "window":  # block diffusion keeps its cache across blocks: no slots to refill
+      log("note: LLaDA2 decodes by block diffusion, which continuous batching does not support: using "
+          "--batching window")
+    batcher = DynamicBatcher(model, window_s=args.batch_window_ms / 1000, **common)
+  else:
+    batcher = ContinuousBatcher(model, **common)
   metrics.queue_depth = lambda: batcher.depth
   mask = gcfg.mask_id if gcfg.mask_id is not None else model.config.mask_token_id
   specs = []
@@ -153,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threading.Thread(target=lambda: (warm.join(), say(f"dinfer-jax serve: warm-up done in "
                                                       f"{time.perf_counter() - t0:.1f}s")), daemon=True).start()
   say(f"dinfer-jax serve: model {scfg.model_name!r} on http://{args.host}:{args.port} "
-      f"(max batch {args.max_batch}, window {args.batch_window_ms:g} ms)")
+      f"(max batch {args.max_batch}, {batcher.kind} batching)")
   try:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 http=with_header_timeout(args.header_timeout_s), timeout_keep_alive=args.keep_alive_s)

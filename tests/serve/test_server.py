@@ -144,7 +144,9 @@ def test_streaming_sends_one_chunk_per_block(client, alone):
 
 def test_64_concurrent_clients_get_their_single_request_answers(server, alone):
   """64 clients, mixed prompt lengths (two prompt buckets), at once: none lost, every answer equal to its
-  prompt run alone, and the server batched them (fewer engine calls than requests)."""
+  prompt run alone, each request in at least one engine call (continuous batching: one call decodes one
+  block of each running row; which batch buckets are compiled yet while the warm-up runs decides how many
+  rows share a call, so that is tested in test_continuous with its programs compiled)."""
   def metrics():
     with urllib.request.urlopen(server + "/metrics", timeout=30) as r:
       return {l.split()[0]: float(l.split()[1]) for l in r.read().decode().splitlines()
@@ -167,7 +169,7 @@ def test_64_concurrent_clients_get_their_single_request_answers(server, alone):
   after = metrics()
   calls = after["dinfer_engine_calls_total"] - before["dinfer_engine_calls_total"]
   rows = after["dinfer_batch_rows_sum"] - before["dinfer_batch_rows_sum"]
-  assert rows == 64 and calls < 64
+  assert rows >= 64 and 0 < calls <= rows
   assert after["dinfer_batch_rows_count"] - before["dinfer_batch_rows_count"] == calls
 
 

@@ -1,0 +1,228 @@
+"""Continuous batching at block boundaries (`serve --batching continuous`, the default).
+
+The running batch is a set of slots (engine.slots.SlotPool, one pool per generation config and canvas
+geometry): the engine thread decodes one block of every row of a pool per program call, and between calls
+a finished row leaves at once (its answer goes out) and a waiting request takes a free slot, starting at its
+own first block while the others go on with theirs. The batch state stays on the device between blocks;
+only each row's canvas, counters and done flag are read back per call (one host sync per block, which is
+also how streaming requests get each block as it settles).
+
+Pools take turns, one block each. A pool runs at the smallest compiled batch bucket that holds its rows
+(rows cost compute on every forward, so 1 request alone runs at batch 1); a bucket that is not compiled yet
+compiles on a second thread while the pool goes on at a bigger one, or waits if it has none. Requests are
+admitted in arrival order while the rows in flight stay within max_batch; a request that does not fit waits
+and no later request of its pool passes it.
+
+Sampled requests (temperature > 0) put their n choices into n rows with the PRNG keys rows 0..n-1 of a
+call seeded with the request's seed would get, so each choice equals the request run alone.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import time
+from typing import Any
+
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine.slots import SlotPool, row_key
+from dinfer_jax.serve.batcher import Batcher, BatchStats, Choice, Job, batch_buckets
+
+
+@dataclasses.dataclass(eq=False)
+class _Run:
+  """A job whose rows are in slots."""
+  job: Job
+  pool: Any
+  choices: list[Choice | None]
+  progress: list[list[int]]
+
+  @property
+  def left(self) -> int:
+    return sum(c is None for c in self.choices)
+
+
+class ContinuousBatcher(Batcher):
+  """Slots refilled at block boundaries (see the module docstring); the arguments are Batcher's."""
+  kind = "continuous"
+
+  def __init__(self, model, **kw):
+    super().__init__(model, **kw)
+    self._pools: dict[tuple, SlotPool] = {}
+    self._turn: collections.deque[tuple] = collections.deque()  # pool keys, next to step first
+    self._runs: dict[Job, _Run] = {}
+    self._compile_q: queue.Queue[tuple[SlotPool, int]] = queue.Queue()
+    self._compiling: set[tuple] = set()
+    self._failed: dict[tuple, BaseException] = {}  # program key -> why it did not compile
+    self.buckets = batch_buckets(self.max_batch)
+
+  def _workers(self):
+    return [("dinfer-batcher", self._loop), ("dinfer-compile", self._compile_loop)]
+
+  def _new_pool(self, gcfg: GenerationConfig, prompt) -> SlotPool:
+    return SlotPool(self.model.params, self.model.config, gcfg, prompt, programs=self.programs)
+
+  def _compile_spec(self, gcfg, prompt, bucket) -> bool:
+    return self._new_pool(gcfg, prompt).compile(bucket)
+
+  # ------------------------------------------------------------------ compile thread
+
+  def _request_compile(self, pool: SlotPool, B: int) -> None:
+    k = pool.program_key(B)
+    if k not in self._compiling and k not in self._failed:
+      self._compiling.add(k)
+      self._compile_q.put((pool, B))
+
+  def _compile_loop(self) -> None:
+    while not self._stop.is_set():
+      try:
+        pool, B = self._compile_q.get(timeout=0.1)
+      except queue.Empty:
+        continue
+      k = pool.program_key(B)
+      try:
+        pool.compile(B)
+      except Exception as e:  # the jobs waiting for it fail with this; the worker goes on
+        self._failed[k] = e
+      finally:
+        self._compiling.discard(k)
+
+  def _bucket(self, pool: SlotPool, rows: int) -> int | None:
+    """The batch bucket to run `rows` rows at: the smallest that holds them, else (while that one compiles)
+    the smallest compiled one that does; None while none is ready."""
+    fits = [b for b in self.buckets if b >= rows]
+    if not fits:
+      return None
+    if not pool.ready(fits[0]):
+      self._request_compile(pool, fits[0])
+    return next((b for b in fits if pool.ready(b)), None)
+
+  # ------------------------------------------------------------------ engine thread
+
+  def _loop(self) -> None:
+    while not self._stop.is_set():
+      busy = any(p.active for p in self._pools.values())
+      self._pull(timeout=0.0 if busy else (0.02 if self._pending else 0.1))
+      self._cancel_running()
+      self._admit()
+      key = self._next_pool()
+      if key is not None:
+        self._step(key)
+
+  def _pull(self, timeout: float) -> None:
+    try:
+      self._pending.append(self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait())
+    except queue.Empty:
+      return
+    while True:
+      try:
+        self._pending.append(self._q.get_nowait())
+      except queue.Empty:
+        return
+
+  def _cancel_running(self) -> None:
+    for job, run in list(self._runs.items()):
+      if job.cancelled.is_set():  # the client went away: its rows leave at the next block boundary
+        run.pool.remove(lambda owner, job=job: owner[0] is job)
+        del self._runs[job]
+        self._on_drop(job)
+
+  def _admit(self) -> None:
+    in_flight = sum(p.active for p in self._pools.values())
+    held: set[tuple] = set()  # pools whose oldest waiting job could not start: none of theirs passes it
+    rest = []
+    for job in self._pending:
+      if job.cancelled.is_set():
+        self._take(job)
+        self._on_drop(job)
+        continue
+      try:
+        key = SlotPool.key(self.model.config, job.gcfg, job.prompt)
+        pool = self._pools.get(key) or self._new_pool(job.gcfg, job.prompt)
+      except ValueError as e:  # the engine refuses it: fail it now, not after a compile
+        self._take(job)
+        job.on_done(e)
+        continue
+      if key in held or in_flight + job.rows > self.max_batch:
+        held.add(key)
+        rest.append(job)
+        continue
+      want = pool.active + job.rows
+      failed = self._failed.get(pool.program_key(next(b for b in self.buckets if b >= want)))
+      B = self._bucket(pool, want) if failed is None else None
+      if failed is not None:
+        self._take(job)
+        job.on_done(failed)
+        continue
+      if B is None:  # its program compiles on the other thread
+        held.add(key)
+        rest.append(job)
+        continue
+      if key not in self._pools:
+        self._pools[key] = pool
+        self._turn.append(key)
+      for r in range(job.rows):
+        pool.add((job, r), job.prompt, row_key(job.seed, r))
+      self._runs[job] = _Run(job, pool, [None] * job.rows, [[] for _ in range(job.rows)])
+      in_flight += job.rows
+      self._take(job)
+    self._pending = rest
+
+  def _next_pool(self) -> tuple | None:
+    for _ in range(len(self._turn)):
+      key = self._turn[0]
+      self._turn.rotate(-1)
+      pool = self._pools[key]
+      if pool.active and self._bucket(pool, pool.active) is not None:
+        return key
+    return None
+
+  def _step(self, key: tuple) -> None:
+    pool = self._pools[key]
+    rows = pool.active
+    B = self._bucket(pool, rows)
+    t = time.perf_counter()
+    try:
+      finished, progress, counts = pool.step(B)
+    except Exception as e:  # a failed call fails its pool's jobs, never the worker
+      for job, run in list(self._runs.items()):
+        if run.pool is pool:
+          del self._runs[job]
+          job.on_done(e)
+      self._drop_pool(key)
+      return
+    dt = time.perf_counter() - t
+    touched: dict[Job, _Run] = {}
+    for (job, r), toks in progress:
+      run = self._runs.get(job)
+      if run is not None:
+        run.progress[r] = toks
+        touched[job] = run
+    done_jobs, tokens, row_forwards = 0, 0, 0
+    for f in finished:
+      job, r = f.owner
+      run = self._runs.get(job)
+      tokens += len(f.tokens)
+      row_forwards += f.row_nfe
+      if run is None:  # cancelled meanwhile
+        continue
+      run.choices[r] = Choice(tokens=f.tokens, gen_length=f.gen_length, row_nfe=f.row_nfe)
+      run.progress[r] = f.tokens
+      touched[job] = run
+    for job, run in touched.items():
+      if job.on_tokens is not None and not job.cancelled.is_set():
+        job.on_tokens([list(p) for p in run.progress])
+      if run.left == 0:
+        del self._runs[job]
+        done_jobs += 1
+        job.on_done(run.choices * job.n if job.rows == 1 else run.choices)
+    self._on_batch(BatchStats(rows=rows, bucket=B, seconds=dt, nfe=counts["nfe"], tokens=tokens,
+                              row_forwards=row_forwards, jobs=done_jobs))
+    pool.drain()
+    if not pool.active:
+      self._drop_pool(key)
+
+  def _drop_pool(self, key: tuple) -> None:
+    self._pools.pop(key, None)
+    if key in self._turn:
+      self._turn.remove(key)

@@ -1,0 +1,128 @@
+"""The continuous batcher without HTTP: a request that arrives while others run joins them at the next block
+boundary (it does not wait for the running call), a finished row leaves at once, answers equal the prompts
+run alone, streaming gets every block, a cancelled running request leaves its slot."""
+import threading
+
+import dinfer_jax
+from dinfer_jax import cli_common
+from dinfer_jax.engine.slots import SlotPool
+from dinfer_jax.serve.batcher import Job
+from dinfer_jax.serve.continuous import ContinuousBatcher
+from dinfer_jax.engine.programs import ProgramCache
+
+QUESTIONS = ["What is 348+279?", "12 x 13", "f(0..5)=2,5,8,11,14,17", "905-417", "61*7", "f(0..5)=1,3,5,7,9,11"]
+
+
+def _compiled(model, gcfg, prompts, buckets):
+  programs = ProgramCache(16)
+  for p in prompts:
+    for b in buckets:
+      SlotPool(model.params, model.config, gcfg, p, programs=programs).compile(b)
+  return programs
+
+
+def _long(gcfg):
+  # Without the early stop every row decodes all of its 4 blocks: a long-running call to join.
+  return gcfg.replace(block_length=4, gen_length=16, early_stop=False)
+
+
+def test_a_request_joins_the_running_batch_at_a_block_boundary(default_model, default_gcfg):
+  """B is submitted once A's first block has been decoded. With window batching B would wait for A's call
+  to end; here it shares A's next block calls and both answers equal their prompts run alone."""
+  g = _long(default_gcfg)
+  ids = cli_common.encode_prompts(default_model, QUESTIONS[:2])
+  programs = _compiled(default_model, g, ids[:1], [1, 2])
+  calls, out, order = [], {}, []
+  ev = threading.Event()
+  b = ContinuousBatcher(default_model, max_batch=2, on_batch=calls.append, programs=programs)
+
+  def finish(name):
+    def f(res):
+      out[name] = res
+      order.append(name)
+      if len(out) == 2:
+        ev.set()
+    return f
+  submitted = []
+
+  def a_tokens(rows):  # runs on the engine thread after each of A's blocks
+    if not submitted:
+      submitted.append(len(calls))
+      b.submit(Job(prompt=ids[1], gcfg=g, on_done=finish("B")))
+  b.submit(Job(prompt=ids[0], gcfg=g, on_done=finish("A"), on_tokens=a_tokens))
+  b.start()
+  try:
+    assert ev.wait(120)
+  finally:
+    b.stop()
+  assert order == ["A", "B"]  # A started first; B did not wait for it to end
+  assert [c.rows for c in calls] == [1, 2, 2, 2, 1]  # B joined after A's block 0 and finished after A
+  assert programs.compiles == 2  # nothing compiled on the way
+  for name, p in zip("AB", ids):
+    alone = dinfer_jax.generate(default_model, [p], g)
+    assert (out[name][0].tokens, out[name][0].row_nfe) == (alone.tokens[0], alone.row_nfe[0])
+
+
+def test_staggered_mixed_lengths_equal_single_runs(default_model, default_gcfg):
+  """Six questions (two prompt buckets: two pools taking turns) submitted one after another while the
+  others run; every answer equals its prompt alone; a short answer does not wait for a long one."""
+  g = default_gcfg.replace(block_length=4, gen_length=16)
+  ids = cli_common.encode_prompts(default_model, QUESTIONS)
+  assert len({SlotPool.key(default_model.config, g, p)[1] for p in ids}) == 2
+  programs = ProgramCache(16)
+  b = ContinuousBatcher(default_model, max_batch=4, programs=programs)
+  for p in ids:
+    b._compile_spec(g, p, 1)
+  out, ev = {}, threading.Event()
+
+  def finish(i):
+    def f(res):
+      out[i] = res
+      if len(out) == len(ids):
+        ev.set()
+    return f
+  b.start()
+  try:
+    for i, p in enumerate(ids):
+      b.submit(Job(prompt=p, gcfg=g, on_done=finish(i)))
+      threading.Event().wait(0.02)
+    assert ev.wait(180)
+  finally:
+    b.stop()
+  for i, p in enumerate(ids):
+    assert out[i][0].tokens == dinfer_jax.generate(default_model, [p], g).tokens[0], QUESTIONS[i]
+
+
+def test_streaming_sampling_and_cancel(default_model, default_gcfg):
+  """A streaming job gets each row's tokens block by block; a sampled job's n choices equal rows 0..n-1 of
+  its seed alone; a running job cancelled after its first block leaves (on_drop) and is never answered."""
+  g = _long(default_gcfg)
+  gs = g.replace(temperature=1.0)
+  ids = cli_common.encode_prompts(default_model, [QUESTIONS[0], QUESTIONS[1], QUESTIONS[3]])
+  assert len({SlotPool.key(default_model.config, g, p)[1] for p in ids}) == 1  # one pool
+  programs = _compiled(default_model, g, ids[:1], [1, 2, 4])
+  dropped, seen, out = [], [], {}
+  ev = threading.Event()
+  b = ContinuousBatcher(default_model, max_batch=4, programs=programs, on_drop=dropped.append)
+
+  def finish(name):
+    def f(res):
+      out[name] = res
+      if {"stream", "sampled"} <= set(out):
+        ev.set()
+    return f
+  victim = Job(prompt=ids[2], gcfg=g, on_done=finish("victim"), on_tokens=lambda rows: victim.cancel())
+  b.submit(Job(prompt=ids[0], gcfg=g, on_done=finish("stream"), on_tokens=seen.append))
+  b.submit(Job(prompt=ids[1], gcfg=gs, n=2, seed=7, on_done=finish("sampled")))
+  b.submit(victim)
+  b.start()
+  try:
+    assert ev.wait(180)
+  finally:
+    b.stop()
+  assert dropped == [victim] and "victim" not in out
+  assert len(seen) == 4 and all(len(rows) == 1 for rows in seen)  # one update per block
+  grown = [rows[0] for rows in seen]
+  assert all(b2[:len(a)] == a for a, b2 in zip(grown, grown[1:])) and grown[-1] == out["stream"][0].tokens
+  ref = dinfer_jax.generate(default_model, [ids[1]] * 2, gs, seed=7)
+  assert [c.tokens for c in out["sampled"]] == ref.tokens
