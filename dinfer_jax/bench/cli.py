@@ -53,7 +53,16 @@ def register(subparsers, model_defaults=None) -> None:
                    help="benchmark the OpenAI-compatible server at URL (e.g. http://127.0.0.1:8000) instead "
                         "of the in-process engine: throughput, p50/p99 latency")
   srv.add_argument("--requests", type=int, default=256, help="requests to send (default %(default)s)")
-  srv.add_argument("--concurrency", type=int, default=32, help="client threads (default %(default)s)")
+  srv.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: client threads, each sending its next request when answered (default 32 "
+                        "without --arrival)")
+  srv.add_argument("--arrival", choices=["poisson"], default=None,
+                   help="open loop: send at Poisson arrival times of mean rate --rate whatever the answers "
+                        "(loopback servers only); latency counts from each scheduled send")
+  srv.add_argument("--rate", type=float, default=None, help="open loop: requests per second")
+  srv.add_argument("--seed", type=int, default=0, help="open loop: seed of the arrival times (default %(default)s)")
+  srv.add_argument("--max-duration-s", type=float, default=600.0,
+                   help="open loop: send nothing scheduled after this many seconds (default %(default)s)")
   srv.add_argument("--max-tokens", type=int, default=None, help="max_tokens of each request")
   cli_common.add_generation_flags(b, model_defaults)
   b.set_defaults(func=cmd_bench)
@@ -155,16 +164,25 @@ def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def cmd_bench_server(args: argparse.Namespace) -> int:
   from dinfer_jax.bench import server
-  if args.requests <= 0 or args.concurrency <= 0:
-    raise ValueError("--requests and --concurrency must be positive")
+  if args.arrival is None and args.rate is not None:
+    raise ValueError("--rate needs --arrival poisson")
+  if args.arrival is not None:
+    if args.concurrency is not None:
+      raise ValueError("--arrival (open loop) and --concurrency (closed loop) exclude each other")
+    if args.rate is None or not args.rate > 0:
+      raise ValueError(f"--arrival {args.arrival}: needs --rate > 0 (got {args.rate})")
+  elif args.concurrency is None:
+    args.concurrency = 32
+  if args.requests <= 0 or (args.concurrency is not None and args.concurrency <= 0) or not args.max_duration_s > 0:
+    raise ValueError("--requests, --concurrency and --max-duration-s must be positive")
   if args.prompts:
     data = json.loads(pathlib.Path(args.prompts).read_text())
     if not isinstance(data, list) or not data:
       raise ValueError(f"--prompts {args.prompts}: expected a non-empty JSON list of strings or token-id lists")
   else:
     data = list(throughput.TEXT_PROMPTS)
-  res = server.run(args.server, data, requests=args.requests, concurrency=args.concurrency,
-                   max_tokens=args.max_tokens)
+  res = server.run(args.server, data, requests=args.requests, concurrency=args.concurrency, rate=args.rate,
+                   seed=args.seed, max_duration_s=args.max_duration_s, max_tokens=args.max_tokens)
   res["machine"] = machine_info()
   print(server.report(res))
   if args.json_out:

@@ -57,32 +57,46 @@ def step(params: dict, st: dict[str, jax.Array], knobs: dict[str, jax.Array], *,
 STEP_STATIC = ("mcfg", "gcfg", "grid", "decoder", "mode", "block_causal", "mask_id", "eos_id")
 
 
+def step_first(params: dict, st: dict[str, jax.Array], knobs: dict[str, jax.Array], *, rows: int,
+               **static) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+  """`step` over the first `rows` slots of a state of more: the pool's state keeps one shape (its capacity),
+  so one regroup program serves it, while the step runs at the batch bucket of the rows in use (regroup keeps
+  them first)."""
+  head = jax.tree_util.tree_map(lambda a: a[:rows], st)
+  new, counts = step(params, head, knobs, **static)
+  return jax.tree_util.tree_map(lambda a, n: a.at[:rows].set(n), st, new), counts
+
+
 @functools.cache
 def step_jit():
-  """The step program. The state is donated on accelerators (each call replaces it); CPU ignores donation."""
+  """The step program. The state is donated on accelerators (each call replaces it in place); CPU ignores
+  donation."""
   donate = (1,) if jax.default_backend() != "cpu" else ()
-  return jax.jit(step, static_argnames=STEP_STATIC, donate_argnums=donate)
+  return jax.jit(step_first, static_argnames=STEP_STATIC + ("rows",), donate_argnums=donate)
 
 
-def regroup(st: dict[str, jax.Array] | None, src: jax.Array, fresh: dict[str, jax.Array],
+def regroup(st: dict[str, jax.Array], src: jax.Array, fresh: dict[str, jax.Array],
             table: jax.Array | None) -> dict[str, jax.Array]:
   """The next call's state: row i is the old state's row src[i], or (src[i] < 0) the fresh row i
-  (fresh: canvas, valid, positions [B', Tc], keys [B', 2]; an all-invalid row is an empty slot).
-  table: the input embedding, for smoothing's initial embeddings (None without smoothing)."""
+  (fresh: canvas, valid, positions [S, Tc], seed_key [S, 2] and key_row [S]: the row's PRNG key is
+  fold_in(seed_key, key_row), as loop.run gives row key_row of a call with that seed; an all-invalid row is
+  an empty slot). table: the input embedding, for smoothing's initial embeddings (None without smoothing)."""
   valid = fresh["valid"]
-  new = {"canvas": fresh["canvas"], "valid": valid, "positions": fresh["positions"], "keys": fresh["keys"],
+  keys = jax.vmap(jax.random.fold_in)(fresh["seed_key"], fresh["key_row"])
+  new = {"canvas": fresh["canvas"], "valid": valid, "positions": fresh["positions"], "keys": keys,
          "commit": jnp.full(valid.shape, -1, jnp.int32), "n": jnp.zeros(valid.shape[:1], jnp.int32),
          "done": ~valid.any(axis=1), "block": jnp.zeros(valid.shape[:1], jnp.int32)}
   if table is not None:
     new["emb"] = jnp.take(table, fresh["canvas"], axis=0)
-  if st is None:
-    return new
   keep = src >= 0
   old = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.maximum(src, 0), axis=0), st)
   return {k: jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), old[k], v) for k, v in new.items()}
 
 
-regroup_jit = jax.jit(regroup)
+@functools.cache
+def regroup_jit():
+  donate = (0,) if jax.default_backend() != "cpu" else ()
+  return jax.jit(regroup, donate_argnums=donate)
 
 
 @dataclasses.dataclass
@@ -95,7 +109,8 @@ class Row:
   canvas: np.ndarray  # [Tc] int32, valid [Tc], positions [Tc]: the row's own layout (alone)
   valid: np.ndarray
   positions: np.ndarray
-  key: np.ndarray  # [2] uint32
+  seed_key: np.ndarray  # [2] uint32: PRNGKey(seed) of the request
+  key_row: int  # the row's index among the request's rows: its key is fold_in(seed_key, key_row)
 
   def tokens(self, canvas_row: np.ndarray, upto: int, eos_id: int) -> list[int]:
     """The row's generated tokens committed before canvas index `upto`, cut at the first EOS."""
@@ -112,45 +127,56 @@ class Finished:
   row_nfe: int
 
 
-def row_key(seed: int, r: int) -> np.ndarray:
-  """The PRNG key row r of a seeded batch gets in loop.run: what the row must get here to sample the same."""
-  return np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), r))
+def seed_key(seed: int) -> np.ndarray:
+  """jax.random.PRNGKey(seed)'s data made on the host (no device round trip per request): JAX without x64
+  keeps the seed's low 32 bits."""
+  return np.array([0, int(seed) % (1 << 32)], np.uint32)
 
 
 class SlotPool:
   """The running rows of one (GenerationConfig, canvas geometry): add rows, call `step` for one block of
   each, collect the finished ones. Not thread-safe: one engine thread owns it.
 
+  The device state has `capacity` slots whatever the rows in use: one regroup program per pool geometry;
+  the rows in use are kept first and the step program runs over the batch bucket that holds them.
+
   Args:
     params, mcfg: the model (params stacked or per layer).
     gcfg: the generation config every row of the pool shares (its knobs are the program's runtime values).
     prompt: any prompt of the pool's geometry (see `key`).
-    programs: an engine.programs.ProgramCache for the step programs (default: jit's own cache).
+    capacity: most rows at once (the server's max batch).
+    programs: an engine.programs.ProgramCache for the step and regroup programs (default: jit's own cache).
   """
 
   def __init__(self, params: dict, mcfg: ModelConfig, gcfg: GenerationConfig, prompt: Sequence[int], *,
-               programs=None):
+               capacity: int = 16, programs=None):
     lay, static = prepare(mcfg, [list(prompt)], gcfg, batch_bucket=1)
     if static["mode"] == "block_diffusion":
       raise ValueError("continuous batching: block diffusion (LLaDA2 with a cache) keeps its cache across "
                        "blocks and is not supported; serve it with --batching window")
-    self.mcfg, self.gcfg = mcfg, gcfg
+    if capacity < 1:
+      raise ValueError(f"SlotPool: capacity={capacity} must be >= 1")
+    self.mcfg, self.gcfg, self.capacity = mcfg, gcfg, capacity
     self.params = inference_params(params, mcfg)
     self.prog, knobs = program(static, mcfg.vocab_size)
     self.knobs = {k: jnp.asarray(v) for k, v in knobs.items()}
     self.grid1 = lay.grid
     self.eos_id = static["eos_id"]
     self.programs = programs
-    self.rows: list[Row | None] = []
+    self.rows: list[Row | None] = []  # slot i's row, for the slots in use
     self.state: dict[str, jax.Array] | None = None
     self._waiting: list[Row] = []
     self._leaving: set[int] = set()
 
   @staticmethod
+  def layout(mcfg: ModelConfig, gcfg: GenerationConfig, prompt: Sequence[int]) -> Layout:
+    """The prompt's layout alone (raises the engine's ValueError for a prompt it refuses)."""
+    return prepare(mcfg, [list(prompt)], gcfg, batch_bucket=1)[0]
+
+  @staticmethod
   def key(mcfg: ModelConfig, gcfg: GenerationConfig, prompt: Sequence[int]) -> tuple:
     """Prompts with equal keys share a pool (raises the engine's ValueError for a prompt it refuses)."""
-    lay, _ = prepare(mcfg, [list(prompt)], gcfg, batch_bucket=1)
-    return gcfg, lay.grid
+    return gcfg, SlotPool.layout(mcfg, gcfg, prompt).grid
 
   # ------------------------------------------------------------------ membership
 
@@ -159,13 +185,17 @@ class SlotPool:
     """Rows running or waiting to start at the next call."""
     return sum(r is not None for i, r in enumerate(self.rows) if i not in self._leaving) + len(self._waiting)
 
-  def add(self, owner: Any, prompt: Sequence[int], key: np.ndarray) -> None:
-    """Queues a row: it starts at the next `step`."""
-    lay: Layout = prepare(self.mcfg, [list(prompt)], self.gcfg, batch_bucket=1)[0]
+  def add(self, owner: Any, prompt: Sequence[int], seed: int = 0, key_row: int = 0, *,
+          layout: Layout | None = None) -> None:
+    """Queues a row: it starts at the next `step`, sampling (if it does) as row key_row of a call seeded
+    with `seed` would. layout: the prompt's SlotPool.layout, if the caller has it."""
+    if self.active >= self.capacity:
+      raise ValueError(f"SlotPool.add: all {self.capacity} slots are taken")
+    lay = layout if layout is not None else self.layout(self.mcfg, self.gcfg, prompt)
     if lay.grid != self.grid1:
       raise ValueError(f"SlotPool.add: prompt of {len(prompt)} tokens has another canvas geometry than the pool's")
     self._waiting.append(Row(owner, int(lay.pad[0]), int(lay.prompt_len[0]), int(lay.end[0]), lay.canvas[0],
-                             lay.valid[0], lay.positions[0], np.asarray(key, np.uint32)))
+                             lay.valid[0], lay.positions[0], seed_key(seed), int(key_row)))
 
   def remove(self, which) -> None:
     """Takes the rows whose owner `which(owner)` holds out at the next call (a cancelled request)."""
@@ -173,91 +203,115 @@ class SlotPool:
     self._leaving |= {i for i, r in enumerate(self.rows) if r is not None and which(r.owner)}
 
   def bucket(self, rows: int | None = None) -> int:
-    return bucket_rows(max(self.active if rows is None else rows, 1))
+    """The batch bucket for this many rows (default: the active ones): a power of two, at most capacity."""
+    return min(bucket_rows(max(self.active if rows is None else rows, 1)), self.capacity)
 
   # ------------------------------------------------------------------ programs
 
-  def _state_shapes(self, B: int) -> dict[str, jax.ShapeDtypeStruct]:
-    Tc = self.grid1.canvas_len
+  def _state_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+    S, Tc = self.capacity, self.grid1.canvas_len
     sds = jax.ShapeDtypeStruct
-    shapes = {"canvas": sds((B, Tc), jnp.int32), "commit": sds((B, Tc), jnp.int32), "valid": sds((B, Tc), bool),
-              "positions": sds((B, Tc), jnp.int32), "keys": sds((B, 2), jnp.uint32), "n": sds((B,), jnp.int32),
-              "done": sds((B,), bool), "block": sds((B,), jnp.int32)}
+    shapes = {"canvas": sds((S, Tc), jnp.int32), "commit": sds((S, Tc), jnp.int32), "valid": sds((S, Tc), bool),
+              "positions": sds((S, Tc), jnp.int32), "keys": sds((S, 2), jnp.uint32), "n": sds((S,), jnp.int32),
+              "done": sds((S,), bool), "block": sds((S,), jnp.int32)}
     if self.gcfg.smoothing:
-      shapes["emb"] = sds((B, Tc, self.mcfg.d_model), self.params["embed"].dtype)
+      shapes["emb"] = sds((S, Tc, self.mcfg.d_model), self.params["embed"].dtype)
     return shapes
 
-  def program_key(self, B: int) -> tuple:
-    return ("slots", tuple(sorted(self.prog.items())), B, self.grid1.canvas_len)
+  def _fresh(self) -> dict[str, np.ndarray]:
+    S, Tc = self.capacity, self.grid1.canvas_len
+    return {"canvas": np.full((S, Tc), self.eos_id, np.int32), "valid": np.zeros((S, Tc), bool),
+            "positions": np.zeros((S, Tc), np.int32), "seed_key": np.zeros((S, 2), np.uint32),
+            "key_row": np.zeros((S,), np.int32)}
 
-  def _static(self, B: int) -> dict[str, Any]:
-    return dict(self.prog, grid=dataclasses.replace(self.prog["grid"], batch=B))
+  def _geometry(self) -> tuple:
+    return (tuple(sorted(self.prog.items())), self.capacity, self.grid1.canvas_len)
+
+  def program_key(self, B: int) -> tuple:
+    return ("slots", self._geometry(), B)
+
+  def _regroup_key(self) -> tuple:
+    return ("slots-regroup", self._geometry())
 
   def _compile(self, B: int):
-    return step_jit().lower(self.params, self._state_shapes(B), self.knobs, **self._static(B)).compile()
+    return step_jit().lower(self.params, self._state_shapes(), self.knobs, rows=B, **self.prog).compile()
+
+  def _compile_regroup(self):
+    table = self.params["embed"] if self.gcfg.smoothing else None
+    S = self.capacity
+    return regroup_jit().lower(self._state_shapes(), jax.ShapeDtypeStruct((S,), jnp.int32), self._fresh(),
+                               table).compile()
 
   def ready(self, B: int) -> bool:
-    return self.programs is None or self.programs.ready(self.program_key(B))
+    return self.programs is None or (self.programs.ready(self.program_key(B))
+                                     and self.programs.ready(self._regroup_key()))
 
   def compile(self, B: int) -> bool:
-    """Builds the step program for B slots (into `programs`); returns whether it had to be built."""
-    if self.programs is None or self.programs.ready(self.program_key(B)):
+    """Builds the step program for B slots and the pool's regroup program (into `programs`); returns
+    whether anything had to be built."""
+    if self.programs is None or self.ready(B):
       return False
+    self.programs.get(self._regroup_key(), self._compile_regroup)
     self.programs.get(self.program_key(B), lambda: self._compile(B))
     return True
 
-  def _program(self, B: int):
+  def _step_program(self, B: int):
     if self.programs is None:
-      return functools.partial(step_jit(), **self._static(B))
+      return functools.partial(step_jit(), rows=B, **self.prog)
     return self.programs.get(self.program_key(B), lambda: self._compile(B))
+
+  def _regroup_program(self):
+    if self.programs is None:
+      return regroup_jit()
+    return self.programs.get(self._regroup_key(), self._compile_regroup)
 
   # ------------------------------------------------------------------ running
 
-  def _regroup(self, B: int) -> None:
-    """Leaving rows out, waiting rows in, the state at B slots (running rows first, in their order)."""
-    keep = [i for i, r in enumerate(self.rows) if r is not None and i not in self._leaving]
-    if len(keep) + len(self._waiting) > B:
-      raise ValueError(f"SlotPool: {len(keep) + len(self._waiting)} rows do not fit {B} slots")
-    if not self._waiting and not self._leaving and B == len(self.rows):
+  def _regroup(self) -> None:
+    """Leaving rows out, waiting rows in, the rows in use first (running ones in their order)."""
+    if not self._waiting and not self._leaving and self.state is not None:
       return
-    Tc = self.grid1.canvas_len
-    fresh = {"canvas": np.full((B, Tc), self.eos_id, np.int32), "valid": np.zeros((B, Tc), bool),
-             "positions": np.zeros((B, Tc), np.int32), "keys": np.zeros((B, 2), np.uint32)}
-    src = np.full(B, -1, np.int32)
+    keep = [i for i, r in enumerate(self.rows) if r is not None and i not in self._leaving]
+    fresh = self._fresh()
+    src = np.full(self.capacity, -1, np.int32)
     src[:len(keep)] = keep
     rows: list[Row | None] = [self.rows[i] for i in keep]
     for j, r in enumerate(self._waiting, start=len(keep)):
-      fresh["canvas"][j], fresh["valid"][j], fresh["positions"][j], fresh["keys"][j] = \
-          r.canvas, r.valid, r.positions, r.key
+      fresh["canvas"][j], fresh["valid"][j], fresh["positions"][j] = r.canvas, r.valid, r.positions
+      fresh["seed_key"][j], fresh["key_row"][j] = r.seed_key, r.key_row
       rows.append(r)
+    state = self.state
+    if state is None:  # nothing to keep: any state of the right shapes
+      state = {k: np.zeros(v.shape, v.dtype) for k, v in self._state_shapes().items()}
     table = self.params["embed"] if self.gcfg.smoothing else None
-    self.state = regroup_jit(self.state, jnp.asarray(src), {k: jnp.asarray(v) for k, v in fresh.items()}, table)
-    self.rows = rows + [None] * (B - len(rows))
+    self.state = self._regroup_program()(state, src, fresh, table)
+    self.rows = rows
     self._waiting, self._leaving = [], set()
 
   def step(self, B: int | None = None) -> tuple[list[Finished], list[tuple[Any, list[int]]], dict[str, int]]:
-    """Regroups to B slots (default: the bucket of the active rows) and decodes one block of every row.
-    Returns (the rows that finished, each running row's (owner, tokens committed so far), the call's
-    forward counts {"nfe", "n_full", "n_cached"})."""
+    """Takes leaving rows out and waiting rows in, then decodes one block of every row, at batch bucket B
+    (default: the bucket of the active rows). Returns (the rows that finished, each running row's (owner,
+    tokens committed so far), the call's forward counts {"nfe", "n_full", "n_cached"})."""
     B = self.bucket() if B is None else B
-    self._regroup(B)
-    self.state, counts = self._program(B)(self.params, self.state, self.knobs)
-    host = {k: np.asarray(self.state[k]) for k in ("canvas", "n", "done", "block")}
+    if B < self.active or B > self.capacity:
+      raise ValueError(f"SlotPool.step: batch bucket {B} cannot hold the {self.active} rows (capacity "
+                       f"{self.capacity})")
+    self._regroup()
+    self.state, counts = self._step_program(B)(self.params, self.state, self.knobs)
+    host = {k: np.asarray(self.state[k]) for k in ("canvas", "n", "done", "block")}  # small: all slots
     C, L = self.grid1.first_block, self.grid1.block_len
     finished, progress = [], []
     for i, r in enumerate(self.rows):
-      if r is None:
-        continue
       row = host["canvas"][i]
       if host["done"][i]:
         finished.append(Finished(r.owner, r.tokens(row, r.end, self.eos_id), r.end - r.pad - r.prompt_len,
                                  int(host["n"][i])))
         self._leaving.add(i)
-      else:
+      elif i not in self._leaving:
         progress.append((r.owner, r.tokens(row, C + int(host["block"][i]) * L, self.eos_id)))
     return finished, progress, {k: int(v) for k, v in counts.items()}
 
   def drain(self) -> None:
-    """Drops the finished rows' slots now (the next step would); an empty pool frees its state."""
-    if self._leaving and all(r is None or i in self._leaving for i, r in enumerate(self.rows)) and not self._waiting:
+    """Frees the device state once no row is running or waiting (the next step would drop the finished ones)."""
+    if not self._waiting and all(i in self._leaving for i in range(len(self.rows))):
       self.rows, self.state, self._leaving = [], None, set()

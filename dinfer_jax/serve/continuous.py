@@ -7,11 +7,11 @@ own first block while the others go on with theirs. The batch state stays on the
 only each row's canvas, counters and done flag are read back per call (one host sync per block, which is
 also how streaming requests get each block as it settles).
 
-Pools take turns, one block each. A pool runs at the smallest compiled batch bucket that holds its rows
-(rows cost compute on every forward, so 1 request alone runs at batch 1); a bucket that is not compiled yet
-compiles on a second thread while the pool goes on at a bigger one, or waits if it has none. Requests are
-admitted in arrival order while the rows in flight stay within max_batch; a request that does not fit waits
-and no later request of its pool passes it.
+Pools take turns, one block each, each with at most max_batch rows (one call never decodes more). A pool
+runs at the smallest compiled batch bucket that holds its rows (rows cost compute on every forward, so 1
+request alone runs at batch 1); a bucket that is not compiled yet compiles on a second thread while the pool
+goes on at a bigger one, or waits if it has none. Requests are admitted in arrival order; a request that
+does not fit its pool waits, and no later request of that pool passes it.
 
 Sampled requests (temperature > 0) put their n choices into n rows with the PRNG keys rows 0..n-1 of a
 call seeded with the request's seed would get, so each choice equals the request run alone.
@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.slots import SlotPool, row_key
+from dinfer_jax.engine.slots import SlotPool
 from dinfer_jax.serve.batcher import Batcher, BatchStats, Choice, Job, batch_buckets
 
 
@@ -51,6 +51,7 @@ class ContinuousBatcher(Batcher):
     self._pools: dict[tuple, SlotPool] = {}
     self._turn: collections.deque[tuple] = collections.deque()  # pool keys, next to step first
     self._runs: dict[Job, _Run] = {}
+    self._keys: dict[Job, Any] = {}  # waiting job -> its layout alone (engine.slots.SlotPool.layout)
     self._compile_q: queue.Queue[tuple[SlotPool, int]] = queue.Queue()
     self._compiling: set[tuple] = set()
     self._failed: dict[tuple, BaseException] = {}  # program key -> why it did not compile
@@ -60,7 +61,8 @@ class ContinuousBatcher(Batcher):
     return [("dinfer-batcher", self._loop), ("dinfer-compile", self._compile_loop)]
 
   def _new_pool(self, gcfg: GenerationConfig, prompt) -> SlotPool:
-    return SlotPool(self.model.params, self.model.config, gcfg, prompt, programs=self.programs)
+    return SlotPool(self.model.params, self.model.config, gcfg, prompt, capacity=self.max_batch,
+                    programs=self.programs)
 
   def _compile_spec(self, gcfg, prompt, bucket) -> bool:
     return self._new_pool(gcfg, prompt).compile(bucket)
@@ -128,22 +130,26 @@ class ContinuousBatcher(Batcher):
         self._on_drop(job)
 
   def _admit(self) -> None:
-    in_flight = sum(p.active for p in self._pools.values())
     held: set[tuple] = set()  # pools whose oldest waiting job could not start: none of theirs passes it
     rest = []
     for job in self._pending:
       if job.cancelled.is_set():
+        self._keys.pop(job, None)
         self._take(job)
         self._on_drop(job)
         continue
       try:
-        key = SlotPool.key(self.model.config, job.gcfg, job.prompt)
+        if job not in self._keys:  # a job that waits is looked at again at every block boundary
+          self._keys[job] = SlotPool.layout(self.model.config, job.gcfg, job.prompt)
+        lay = self._keys[job]
+        key = (job.gcfg, lay.grid)
         pool = self._pools.get(key) or self._new_pool(job.gcfg, job.prompt)
       except ValueError as e:  # the engine refuses it: fail it now, not after a compile
+        self._keys.pop(job, None)
         self._take(job)
         job.on_done(e)
         continue
-      if key in held or in_flight + job.rows > self.max_batch:
+      if key in held or pool.active + job.rows > self.max_batch:
         held.add(key)
         rest.append(job)
         continue
@@ -151,6 +157,7 @@ class ContinuousBatcher(Batcher):
       failed = self._failed.get(pool.program_key(next(b for b in self.buckets if b >= want)))
       B = self._bucket(pool, want) if failed is None else None
       if failed is not None:
+        self._keys.pop(job, None)
         self._take(job)
         job.on_done(failed)
         continue
@@ -162,9 +169,9 @@ class ContinuousBatcher(Batcher):
         self._pools[key] = pool
         self._turn.append(key)
       for r in range(job.rows):
-        pool.add((job, r), job.prompt, row_key(job.seed, r))
+        pool.add((job, r), job.prompt, job.seed, r, layout=lay)
+      del self._keys[job]
       self._runs[job] = _Run(job, pool, [None] * job.rows, [[] for _ in range(job.rows)])
-      in_flight += job.rows
       self._take(job)
     self._pending = rest
 

@@ -1,12 +1,13 @@
 """Continuous batching's engine side (engine.slots): rows that join a running slot batch at block
 boundaries, leave when done and shrink or grow its batch bucket still give exactly the answer (tokens,
 forwards) of their prompt run alone, in every cache mode and with smoothing, vicinity and sampling."""
+import jax
 import numpy as np
 import pytest
 
 import dinfer_jax
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.slots import SlotPool, row_key
+from dinfer_jax.engine.slots import SlotPool, seed_key
 
 # Arrival schedule: block call -> prompts joining before it. Rows 0, 1 start together; 2 joins while they
 # run; 3 and 4 join together (the bucket grows to 4); 5 joins after others left (it shrinks again).
@@ -27,7 +28,7 @@ def _run_staggered(pool, prompts, seeds):
   got, calls, buckets = {}, 0, []
   while len(got) < len(prompts):
     for i in ARRIVALS.get(calls, []):
-      pool.add(i, prompts[i], row_key(seeds[i], 0))
+      pool.add(i, prompts[i], seeds[i])
     buckets.append(pool.bucket())
     finished, progress, counts = pool.step()
     for f in finished:
@@ -63,7 +64,7 @@ def test_rows_leave_and_the_batch_shrinks(model_a):
   prompts = [rng.integers(5, 200, size=n).tolist() for n in (6, 11, 4)]
   pool = SlotPool(params, mcfg, g, prompts[0])
   for i, p in enumerate(prompts):
-    pool.add(i, p, row_key(0, 0))
+    pool.add(i, p)
   finished, progress, _ = pool.step()
   assert pool.bucket() == 4 and {o for o, _ in progress} | {f.owner for f in finished} == {0, 1, 2}
   pool.remove(lambda owner: owner == 1)
@@ -86,4 +87,21 @@ def test_a_prompt_of_another_geometry_is_refused(model_a):
   assert SlotPool.key(mcfg, g, [5] * 4) == SlotPool.key(mcfg, g, [6] * 15)
   assert SlotPool.key(mcfg, g, [5] * 4) != SlotPool.key(mcfg, g, [5] * 17)
   with pytest.raises(ValueError, match="17 tokens has another canvas geometry"):
-    pool.add("x", [5] * 17, row_key(0, 0))
+    pool.add("x", [5] * 17)
+
+
+def test_seed_keys_are_the_keys_jax_makes():
+  for seed in (0, 1, 7, 2**31 - 1, 2**31, 2**32 + 5, 2**63 - 1, -1, -5, -(2**63)):
+    assert np.array_equal(seed_key(seed), np.asarray(jax.random.PRNGKey(seed))), seed
+
+
+def test_slots_are_bounded(model_a):
+  params, mcfg = model_a
+  g = GenerationConfig(gen_length=16, block_length=8, prompt_bucket=16, cache="dual")
+  pool = SlotPool(params, mcfg, g, [5] * 4, capacity=2)
+  pool.add(0, [5] * 4)
+  pool.add(1, [6] * 4)
+  with pytest.raises(ValueError, match="all 2 slots are taken"):
+    pool.add(2, [7] * 4)
+  with pytest.raises(ValueError, match="batch bucket 1 cannot hold the 2 rows"):
+    pool.step(1)

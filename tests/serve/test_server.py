@@ -228,5 +228,20 @@ def test_bench_server_mode(server, tmp_path, capsys):
   res = json.loads(out.read_text())
   assert res["errors"] == 0 and res["requests"] == 24 and res["completion_tokens"] > 0
   assert 0 < res["latency_p50_s"] <= res["latency_p99_s"]
-  assert res["engine_calls"] <= 24
+  assert res["engine_calls"] >= 1 and res["throughput_rps"] > 0 and res["mode"] == "closed"
   assert "p99" in capsys.readouterr().out
+
+
+def test_bench_server_open_loop(server, tmp_path, capsys):
+  """Poisson arrivals at a fixed rate: every request sent, the JSON has the closed loop's fields, and at a
+  rate the server keeps up with the throughput follows the rate (not the server's speed)."""
+  out = tmp_path / "o.json"
+  args = ["bench", "--server", server, "--arrival", "poisson", "--rate", "8", "--requests", "16", "--seed", "3",
+          "--json", str(out)]
+  assert cli.main(args) == 0
+  res = json.loads(out.read_text())
+  assert (res["mode"], res["sent"], res["errors"], res["rate_rps"], res["seed"]) == ("open", 16, 0, 8.0, 3)
+  assert 0 < res["p50_s"] <= res["p99_s"]
+  from dinfer_jax.bench.server import arrival_times
+  assert res["wall_s"] >= arrival_times(8.0, 16, 3)[-1]  # the last one was sent at its scheduled time
+  assert "Poisson arrivals at 8/s" in capsys.readouterr().out
