@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics.
 
-Streaming (`"stream": true`) sends server-sent events while the engine runs: the engine's program hands
-every committed block to the host as it finishes (engine.generate's on_block, an io_callback inside the
-block loop), and the new settled text of each block is sent at once.
+Streaming (`"stream": true`) sends server-sent events while the engine runs: the batcher hands over each
+row's tokens as every block is committed (continuous batching reads them at each block boundary; window
+batching through engine.generate's on_block, an io_callback inside the block loop), and the new settled
+text of each block is sent at once.
 
 Bad input (malformed JSON, unknown model, a prompt the model cannot fit, invalid knobs) is answered with a
 4xx and an OpenAI-style body {"error": {"message", "type", "param", "code"}}; the server keeps serving.
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dinfer_jax.cli_common import prompt_tasks, trained_tasks
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.serve.batcher import DynamicBatcher, Job, QueueFull
+from dinfer_jax.serve.batcher import Batcher, Job, QueueFull
 from dinfer_jax.serve.metrics import Metrics
 from dinfer_jax.answer import cut_at_stop, settled_prefix, with_token_cap
 
@@ -120,7 +121,7 @@ class _BodyLimit:
     await send({"type": "http.response.body", "body": body.encode()})
 
 
-def create_app(model, batcher: DynamicBatcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
+def create_app(model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
   app = FastAPI(title="dinfer-jax", docs_url=None, redoc_url=None)
   app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
 

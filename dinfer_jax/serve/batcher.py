@@ -1,4 +1,6 @@
-"""Dynamic batching: requests that arrive within a short window are decoded together in one engine call.
+"""The request queue and engine threads every batcher shares (Batcher), and window batching (DynamicBatcher,
+`serve --batching window`): requests that arrive within a short window are decoded together in one engine
+call. Continuous batching, the server's default, is serve.continuous.
 
 One worker thread owns the engine. It takes the oldest waiting request, gathers every request that arrives
 until `window_s` after the oldest one's arrival (or until `max_batch` rows), and runs those that share its

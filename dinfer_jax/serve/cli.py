@@ -1,5 +1,5 @@
 """`dinfer-jax serve [--model PATH] [--host 127.0.0.1] [--port N] [generation flags] [--max-batch N]
-[--batch-window-ms T]`: load the model and serve the OpenAI-compatible API at once; the likely programs
+[--batching continuous|window]`: load the model and serve the OpenAI-compatible API at once; the likely programs
 compile in the background (a request whose program is not ready waits for it, the others go on), and
 JAX's disk cache (--compile-cache) makes the next start load them instead of compiling them."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 def register(subparsers, model_defaults=None) -> None:
   """Adds `serve`; `model_defaults` (the --model's generation_config.json knobs) are shown in its help."""
   from dinfer_jax import cli_common
-  s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with dynamic batching",
+  s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                             description=__doc__)
   cli_common.add_model_flags(s)
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
