@@ -7,7 +7,8 @@ own first block while the others go on with theirs. The batch state stays on the
 only each row's canvas, counters and done flag are read back per call (one host sync per block, which is
 also how streaming requests get each block as it settles).
 
-Pools take turns, one block each, each with at most max_batch rows (one call never decodes more). A pool
+Each call goes to the pool that holds the oldest request in flight (first come, first served at block
+granularity), each pool with at most max_batch rows (one call never decodes more). A pool
 runs at the smallest compiled batch bucket that holds its rows (rows cost compute on every forward, so 1
 request alone runs at batch 1); a bucket that is not compiled yet compiles on a second thread while the pool
 goes on at a bigger one, or waits if it has none. Requests are admitted in arrival order; a request that
@@ -18,7 +19,6 @@ call seeded with the request's seed would get, so each choice equals the request
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import queue
 import time
@@ -34,6 +34,7 @@ class _Run:
   """A job whose rows are in slots."""
   job: Job
   pool: Any
+  key: tuple  # the pool's
   choices: list[Choice | None]
   progress: list[list[int]]
 
@@ -49,7 +50,6 @@ class ContinuousBatcher(Batcher):
   def __init__(self, model, **kw):
     super().__init__(model, **kw)
     self._pools: dict[tuple, SlotPool] = {}
-    self._turn: collections.deque[tuple] = collections.deque()  # pool keys, next to step first
     self._runs: dict[Job, _Run] = {}
     self._keys: dict[Job, Any] = {}  # waiting job -> its layout alone (engine.slots.SlotPool.layout)
     self._compile_q: queue.Queue[tuple[SlotPool, int]] = queue.Queue()
@@ -165,22 +165,24 @@ class ContinuousBatcher(Batcher):
         held.add(key)
         rest.append(job)
         continue
-      if key not in self._pools:
-        self._pools[key] = pool
-        self._turn.append(key)
+      self._pools.setdefault(key, pool)
       for r in range(job.rows):
         pool.add((job, r), job.prompt, job.seed, r, layout=lay)
       del self._keys[job]
-      self._runs[job] = _Run(job, pool, [None] * job.rows, [[] for _ in range(job.rows)])
+      self._runs[job] = _Run(job, pool, key, [None] * job.rows, [[] for _ in range(job.rows)])
       self._take(job)
     self._pending = rest
 
   def _next_pool(self) -> tuple | None:
-    for _ in range(len(self._turn)):
-      key = self._turn[0]
-      self._turn.rotate(-1)
-      pool = self._pools[key]
-      if pool.active and self._bucket(pool, pool.active) is not None:
+    """The pool holding the oldest request in flight (first come, first served at block granularity: the
+    tail latency is that of the requests that waited longest), among those with a program ready."""
+    oldest: dict[tuple, float] = {}
+    for run in self._runs.values():
+      k = run.key
+      oldest[k] = min(oldest.get(k, run.job.enqueued), run.job.enqueued)
+    for key in sorted(oldest, key=oldest.get):
+      pool = self._pools.get(key)
+      if pool is not None and pool.active and self._bucket(pool, pool.active) is not None:
         return key
     return None
 
@@ -231,5 +233,3 @@ class ContinuousBatcher(Batcher):
 
   def _drop_pool(self, key: tuple) -> None:
     self._pools.pop(key, None)
-    if key in self._turn:
-      self._turn.remove(key)
