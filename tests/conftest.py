@@ -18,6 +18,13 @@ import jax  # noqa: E402
 # Numerics tests compare against fp32 references; the CPU default is already fp32, but be explicit.
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# The run's compilation cache from the start (the CLI tests would switch a worker to it anyway): the two
+# xdist workers compile many of the same programs (the default model's, the golden models'), and the second
+# one loads them from disk.
+from dinfer_jax.engine.programs import enable_disk_cache  # noqa: E402
+
+enable_disk_cache(None)
+
 
 import pytest  # noqa: E402
 
@@ -39,3 +46,53 @@ def default_gcfg(default_model):
 def pytest_sessionfinish(session, exitstatus):
   if not hasattr(session.config, "workerinput"):  # the controller, after every worker is done
     shutil.rmtree(_RUN_CACHE, ignore_errors=True)
+
+
+# Slow cases: the default run (`-m 'not slow'`, < 10 min on the 2-core machine) keeps one or two cases of
+# each parametrized family and leaves these to `pytest -m slow`; each took 10-40 s there (2026-12-03).
+# The multi-process, sharded-training, lm-eval and mixed-pool serving tests are among them: run
+# `pytest -m slow` (about 25 min) before changing those parts.
+SLOW_CASES = (
+    "tests/engine/test_engine_vs_reference.py::test_prefix_windows_shrink_batch3",
+    "tests/engine/test_engine_vs_reference.py::test_batch3_rows_equal_reference[threshold-prefix-plain]",
+    "tests/engine/test_engine_vs_reference.py::test_batch3_rows_equal_reference[threshold-vicinity-plain]",
+    "tests/engine/test_engine_vs_reference.py::test_batch3_rows_equal_reference[threshold-none-plain]",
+    "tests/engine/test_engine_vs_reference.py::test_batch3_rows_equal_reference[hierarchy-dual-smooth]",
+    "tests/engine/test_engine_vs_reference.py::test_dense_batch3_rows_equal_reference[hierarchy-dual-plain]",
+    "tests/engine/test_engine_vs_reference.py::test_llada2_block_diffusion_rows_equal_reference[threshold-prefix]",
+    "tests/engine/test_golden_traces.py::test_engine_without_idle_forwards_matches_trace[dense/c_thr0.9_prefix/p2]",
+    "tests/sharding/test_sharded_generate.py::test_sharded_generate_equals_single_device[d2t4-fastdllm_dual_vicinity_smoothing]",
+    "tests/sharding/test_sharded_generate.py::test_sharded_generate_equals_single_device[t2e4-fixed_steps_dual]",
+    "tests/sharding/test_sharded_generate.py::test_sharded_generate_equals_single_device[e4-credit_none_sampled]",
+    "tests/sharding/test_sharded_train.py::test_sharded_step_equals_single_device[d8-mdm_dense]",
+    "tests/model/test_moe_and_shapes.py::test_expert_kernels_match_loop_reference[dense-llada2_moe]",
+    "tests/train_td/test_memory_options.py::test_bf16_compute_keeps_fp32_master_weights",
+    "tests/train_td/test_trainer.py::test_ragged_training_kernel_matches_dense",
+    "tests/train_td/test_trainer.py::test_deterministic_runs",
+    "tests/train_td/test_trainer.py::test_export_load_round_trip[bfloat16]",
+    "tests/train_td/test_trainer.py::test_killed_run_resumes_without_duplicate_metrics",
+    "tests/train_td/test_td_jsonl.py::test_td_run_and_export_on_a_dense_llada_base",
+    "tests/train_td/test_td_jsonl.py::test_jsonl_math_task_through_the_chat_template_matches_the_builtin_task",
+    "tests/convert/test_convert_cli.py::test_refuses_existing_dst",
+    "tests/evaluation/test_lm_eval.py::test_offline_lm_eval_scores_what_train_td_eval_scores",
+    "tests/engine/test_engine_vs_reference.py::test_batch1_equals_reference[threshold-prefix-smooth]",
+    "tests/model/test_moe_and_shapes.py::test_expert_kernels_match_loop_reference[ragged-llada2_moe]",
+    "tests/model/test_layouts.py::test_attention_matches_reference[2]",
+    "tests/sharding/test_multiprocess.py::test_generate_on_two_processes_equals_one",
+    "tests/sharding/test_sharded_train.py::test_sharded_step_equals_single_device",
+    "tests/bench/test_roofline.py::test_tiny_preset_cpu_target",
+    "tests/bench/test_bench.py::test_bench_default_model",
+    "tests/bench/test_bench.py::test_prefix_overhead_charges_each_window_width",
+    "tests/train_td/test_memory_options.py::test_remat_gives_the_same_loss_and_gradients",
+    "tests/train_td/test_trainer.py::test_train_refuses_a_directory_that_is_not_a_run",
+    "tests/convert/test_convert_os_errors.py::test_relative_paths_from_another_directory",
+    "tests/serve/test_continuous.py::test_staggered_mixed_lengths_equal_single_runs",
+    "tests/test_notebooks.py::test_notebook_executes[02_generate_commit_order.ipynb]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m selection reads the markers
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if item.nodeid in SLOW_CASES or item.nodeid.split("[")[0] in SLOW_CASES:
+      item.add_marker(pytest.mark.slow)

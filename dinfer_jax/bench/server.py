@@ -41,15 +41,10 @@ def scrape(base: str) -> dict[str, float]:
 
 
 def _loopback(base: str) -> bool:
-  import ipaddress
   import urllib.parse
-  host = urllib.parse.urlsplit(base).hostname or ""
-  if host == "localhost":
-    return True
-  try:
-    return ipaddress.ip_address(host).is_loopback
-  except ValueError:
-    return False
+
+  from dinfer_jax.serve.cli import is_loopback
+  return is_loopback(urllib.parse.urlsplit(base).hostname or "")
 
 
 def arrival_times(rate: float, requests: int, seed: int) -> np.ndarray:
