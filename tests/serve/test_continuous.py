@@ -131,3 +131,23 @@ def test_streaming_sampling_and_cancel(default_model, default_gcfg):
   assert all(b2[:len(a)] == a for a, b2 in zip(grown, grown[1:])) and grown[-1] == out["stream"][0].tokens
   ref = dinfer_jax.generate(default_model, [ids[1]] * 2, gs, seed=7)
   assert [c.tokens for c in out["sampled"]] == ref.tokens
+
+
+def test_serve_picks_the_batching_and_falls_back_for_block_diffusion():
+  """`serve` builds a ContinuousBatcher by default and a window batcher on --batching window; a LLaDA2
+  model (block diffusion keeps its cache across blocks: no slots to refill) gets window batching with a
+  note. Nothing compiles."""
+  import argparse
+  import pathlib
+
+  from dinfer_jax.serve import cli as serve_cli
+  p = argparse.ArgumentParser()
+  serve_cli.register(p.add_subparsers())
+  kinds, notes = [], []
+  llada2 = pathlib.Path(__file__).resolve().parents[1] / "golden" / "forward" / "tiny_llada2_moe"
+  for extra in ([], ["--batching", "window"], ["--model", str(llada2)]):
+    _, b, _, _ = serve_cli.build(p.parse_args(["serve", "--warmup-max-prompt-len", "0"] + extra), log=notes.append)
+    kinds.append(b.kind)
+    assert b.programs.compiles == 0
+  assert kinds == ["continuous", "window", "window"]
+  assert len(notes) == 1 and "block diffusion" in notes[0] and "--batching window" in notes[0]
