@@ -56,12 +56,14 @@ def _free_port() -> int:
 class Server:
   """A `dinfer-jax serve` subprocess; `start` returns once it is healthy and its warm-up is done."""
 
-  def __init__(self, batching: str, *, model: str | None, max_batch: int, warmup_len: int, compile_cache: str):
+  def __init__(self, batching: str, *, model: str | None, max_batch: int, warmup_len: int, compile_cache: str | None):
     self.port = _free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.cmd = [sys.executable, "-m", "dinfer_jax.cli", "serve", "--port", str(self.port), "--batching", batching,
                 "--max-batch", str(max_batch), "--warmup-max-prompt-len", str(warmup_len),
-                "--compile-cache", compile_cache, "--max-queue", "4096", "--timeout-s", "600"]
+                "--max-queue", "4096", "--timeout-s", "600"]
+    if compile_cache:
+      self.cmd += ["--compile-cache", compile_cache]
     if model:
       self.cmd += ["--model", model]
     self.proc: subprocess.Popen | None = None
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                       "answers end after 1 to 4 blocks of 8; 0: each prompt's own default)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--warmup-max-prompt-len", type=int, default=64)
-  p.add_argument("--compile-cache", default=str(pathlib.Path.home() / ".cache" / "dinfer-jax" / "xla"))
+  p.add_argument("--compile-cache", default=None,
+                 help="both servers' --compile-cache (default: the server's own, $XDG_CACHE_HOME/dinfer-jax/xla)")
   p.add_argument("--json", dest="json_out", default=None)
   args = p.parse_args(argv)
   loads = [float(x) for x in args.loads.split(",")]

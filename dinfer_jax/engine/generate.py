@@ -228,6 +228,14 @@ def compile_program(programs, model, prompts, gcfg: GenerationConfig, *, batch_b
   return True
 
 
+def committed_tokens(canvas_row: np.ndarray, start: int, end: int, upto: int, eos_id: int) -> list[int]:
+  """A row's generated tokens (canvas [start, end)) committed before canvas index `upto`, cut at the first
+  EOS: what streaming hands out after each block."""
+  end = min(end, upto)
+  gen = canvas_row[start:end].tolist() if end > start else []
+  return gen[:count_generated(gen, eos_id)]
+
+
 def _row_tokens_callback(lay: Layout, n_rows: int, eos_id: int, on_block):
   """Turns the engine's per-block canvas into each row's generated tokens committed so far (up to the
   block's end, before the first EOS)."""
@@ -235,12 +243,8 @@ def _row_tokens_callback(lay: Layout, n_rows: int, eos_id: int, on_block):
 
   def emit(k: int, canvas: np.ndarray) -> None:
     upto = C + (k + 1) * L
-    rows = []
-    for r in range(n_rows):
-      start, end = int(lay.pad[r] + lay.prompt_len[r]), min(int(lay.end[r]), upto)
-      gen = canvas[r, start:end].tolist() if end > start else []
-      rows.append(gen[:count_generated(gen, eos_id)])
-    on_block(k, rows)
+    on_block(k, [committed_tokens(canvas[r], int(lay.pad[r] + lay.prompt_len[r]), int(lay.end[r]), upto, eos_id)
+                 for r in range(n_rows)])
   return emit
 
 

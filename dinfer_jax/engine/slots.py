@@ -27,7 +27,7 @@ import numpy as np
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.generate import (bucket_rows, count_generated, inference_params, prepare, program)
+from dinfer_jax.engine.generate import bucket_rows, committed_tokens, inference_params, prepare, program
 from dinfer_jax.engine.layout import Layout
 
 
@@ -114,9 +114,7 @@ class Row:
 
   def tokens(self, canvas_row: np.ndarray, upto: int, eos_id: int) -> list[int]:
     """The row's generated tokens committed before canvas index `upto`, cut at the first EOS."""
-    start, end = self.pad + self.prompt_len, min(self.end, upto)
-    gen = canvas_row[start:end].tolist() if end > start else []
-    return gen[:count_generated(gen, eos_id)]
+    return committed_tokens(canvas_row, self.pad + self.prompt_len, self.end, upto, eos_id)
 
 
 @dataclasses.dataclass

@@ -143,7 +143,9 @@ class ContinuousBatcher(Batcher):
           self._keys[job] = SlotPool.layout(self.model.config, job.gcfg, job.prompt)
         lay = self._keys[job]
         key = (job.gcfg, lay.grid)
-        pool = self._pools.get(key) or self._new_pool(job.gcfg, job.prompt)
+        pool = self._pools.get(key)
+        if pool is None:  # kept while its first job waits for a compile: built once, not per boundary
+          pool = self._pools[key] = self._new_pool(job.gcfg, job.prompt)
       except ValueError as e:  # the engine refuses it: fail it now, not after a compile
         self._keys.pop(job, None)
         self._take(job)
@@ -165,7 +167,6 @@ class ContinuousBatcher(Batcher):
         held.add(key)
         rest.append(job)
         continue
-      self._pools.setdefault(key, pool)
       for r in range(job.rows):
         pool.add((job, r), job.prompt, job.seed, r, layout=lay)
       del self._keys[job]
