@@ -1,27 +1,37 @@
-"""GPU check: the LLaDA-MoE-7B-A1B shape with random bf16 weights, timed forwards and generate loops.
+"""GPU check: LLaDA-MoE-7B-A1B with random bf16 weights on one GPU, measured beside the roofline bench's
+prediction for the same shapes.
 
-python -m dinfer_jax.bench.gpu_check --json out.json          # one H200, < 8 minutes (gpu_check.sh)
-python -m dinfer_jax.bench.gpu_check --tiny --json out.json   # a tiny config on CPU (the smoke test)
+dinfer_jax/bench/gpu_check.sh [OUT_DIR]                        # on the GPU machine (README, "GPU check")
+python -m dinfer_jax.bench.gpu_check --out DIR                 # the same, with this Python
+JAX_PLATFORMS=cpu python -m dinfer_jax.bench.gpu_check --tiny --out DIR   # the CPU rehearsal (test suite)
 
-What it measures (random weights, so decoding is forced to fixed work: the fixed_steps decoder commits k
-tokens per forward, steps_per_block = block_length / k, early stop off):
-- forward latency of the cached-slice forward (one 64-token block over the dual cache) and of the full
-  refresh forward (the whole canvas), each timed alone (jitted, best of N, block_until_ready);
-- forwards per second inside generate (NFE / wall time of the generate call after warm-up);
-- the fraction of the HBM roofline: bytes a forward must read (the weights it touches plus the KV cache it
-  attends to) / 4.8 TB/s against the measured forward time. A 64-token block at batch 1 routes 64 x 8 =
-  512 token-expert pairs over 64 experts, so every expert is touched (and the dense MoE kernel the engine
-  uses at <= 128 tokens reads them all anyway): a forward reads all attention, router and expert weights of
-  every layer plus the LM head (logits for the block's tokens); of the embedding table only the looked-up
-  rows;
-- the TPS this implies at dInfer's 3.87 tokens per forward (their LLaDA-MoE threshold 0.8 + dual cache
-  figure): 3.87 x forwards/s per sequence, x batch for the aggregate.
+The roofline bench's exact shapes: prompt 256, gen 1024, block 64, dual cache, threshold 0.8, early stop;
+items in this order (each skipped, and listed, once the time budget is spent: the check ends in about 6
+minutes on an H200, compiles included, so a 15-minute slot has room for a rerun):
+1. environment: asserts that JAX sees a GPU (--tiny: any device); jax/jaxlib/CUDA versions, the device;
+2. per forward, batch 1: the refresh forward (whole canvas) and the cached forward (the block's window over
+   the dual cache), each compiled once and timed alone as the loop runs it (the cache donated and carried
+   from call to call), with the kernels of its compiled module (the MoE and attention implementations that
+   ran, and the kernel count);
+3. whole generate at batch 1 (threshold): wall time, forwards, forwards per second, tokens per second;
+4. the same with dInfer's TPF setting (threshold 0.8 + iteration smoothing + vicinity 16/16/4);
+5. the Python-stepped loop (a jitted forward per step, a host sync per step) on the batch-1 generation:
+   the engine's speedup over it;
+6. batch 8: the forwards and the whole generate.
+Random weights decode about one token per forward, so the generate rows say forwards per second and the
+prediction at the measured forward counts, not the trained model's tokens per second (tps_at_3.87_tpf is
+forwards/s x 3.87 per sequence).
+
+It writes gpu_check.json and gpu_check.md (measured beside predicted) into --out after every item, so a run
+cut short keeps what it measured. Predictions come from the roofline bench's committed JSON files
+(dinfer_jax/bench/predicted/*.json, the deviceless H200 compile of the same programs).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
+import os
 import pathlib
 import sys
 import time
@@ -31,57 +41,50 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax.bench.presets import tiny_config
-from dinfer_jax.bench.throughput import time_forwards
+from dinfer_jax.bench import presets, realistic, roofline
+from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward  # noqa: F401  (re-exported)
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.model import moe
 from dinfer_jax.model import params as params_lib
 
-HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e
-BF16_FLOPS = 989e12  # H200 dense bf16 tensor-core peak
 DINFER_TPF = 3.87  # dInfer, LLaDA-MoE, threshold 0.8 + dual cache + vicinity + smoothing (paper Table 1)
+PREDICTED_DIR = pathlib.Path(__file__).parent / "predicted"
 
 
 def init_on_device(cfg: ModelConfig, dtype, seed: int = 0):
-  """Random weights created by a jitted program, so they are born on the device (no host copy)."""
-  return jax.jit(params_lib.init_params, static_argnums=(0, 2))(cfg, jax.random.PRNGKey(seed), dtype)
+  """Random weights in the engine's per-layer layout, made by a jitted program so they are born on the
+  device (no host copy, no second stacked copy)."""
+  def make(key):
+    return params_lib.unstack_layers(params_lib.init_params(cfg, key, dtype))
+  return jax.jit(make)(jax.random.PRNGKey(seed))
 
 
-def bytes_per_forward(cfg: ModelConfig, *, dtype_bytes: int, batch: int, tokens: int, kv_len: int,
-                      logits_tokens: int) -> dict[str, float]:
-  """Bytes one forward must move from HBM at least.
-
-  weights: attention (q, k, v, o), norms, router, the touched experts of every layer, the LM head;
-  embed: the looked-up rows; kv: the K/V of every layer the forward attends to (read) plus its own K/V.
-  Expected distinct experts per layer for n routed pairs: E * (1 - (1 - k/E)^n)."""
-  D, N, K, H, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
-  attn = D * N * H * 2 + D * K * H * 2 + 2 * D + (2 * H if cfg.qk_norm else 0)
-  per_layer = attn
-  touched = 0.0
-  if cfg.n_moe_layers:
-    pairs = batch * tokens * cfg.n_experts_per_tok
-    touched = cfg.n_experts * (1.0 - (1.0 - cfg.n_experts_per_tok / cfg.n_experts) ** pairs)
-    expert = 3 * D * cfg.expert_ffn_dim
-    moe = D * cfg.n_experts + touched * expert + 3 * D * cfg.shared_expert_ffn_dim
-  dense = 3 * D * cfg.ffn_dim
-  weights = (cfg.n_dense_layers * (per_layer + dense) + cfg.n_moe_layers * (per_layer + (moe if cfg.n_moe_layers else 0))
-             + D + D * V) * dtype_bytes
-  embed = batch * tokens * D * dtype_bytes
-  kv = 2 * cfg.n_layers * batch * (kv_len + tokens) * K * H * dtype_bytes
-  return {"weights": weights, "embed": embed, "kv": kv, "total": weights + embed + kv,
-          "experts_touched_per_layer": touched, "logits_tokens": logits_tokens}
+def environment(allow_cpu: bool) -> dict[str, Any]:
+  import jaxlib
+  dev = jax.devices()[0]
+  env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
+         "device": dev.device_kind, "devices": len(jax.devices()), "python": sys.version.split()[0]}
+  try:
+    env["platform_version"] = dev.client.platform_version  # e.g. "cuda 13000"
+  except Exception:  # noqa: BLE001  informational only
+    env["platform_version"] = None
+  env["tokamax"] = moe.has_gpu_grouped_gemm()
+  if env["backend"] != "gpu" and not allow_cpu:
+    raise SystemExit(f"gpu_check: JAX sees no GPU (backend {env['backend']!r}, devices {jax.devices()}); "
+                     "is the CUDA plugin on PYTHONPATH? (--tiny rehearses on CPU)")
+  return env
 
 
-def flops_per_forward(cfg: ModelConfig, *, batch: int, tokens: int, kv_len: int, logits_tokens: int) -> float:
-  """Matmul FLOPs of one forward (routed experts only; attention over kv_len keys)."""
-  D, N, K, H, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
-  proj = 2 * D * (2 * N * H + 2 * K * H)
-  att = 2 * 2 * kv_len * N * H
-  ffn_dense = 2 * 3 * D * cfg.ffn_dim
-  ffn_moe = 2 * D * cfg.n_experts + 2 * 3 * D * cfg.expert_ffn_dim * cfg.n_experts_per_tok + 2 * 3 * D * cfg.shared_expert_ffn_dim
-  per_tok = cfg.n_dense_layers * (proj + att + ffn_dense) + cfg.n_moe_layers * (proj + att + ffn_moe)
-  return batch * (tokens * per_tok + logits_tokens * 2 * D * V)
+def kernels_of(compiled) -> dict[str, Any]:
+  """Which MoE and attention kernels the compiled module runs, and how many kernels it launches."""
+  text = compiled.as_text()
+  mod = realistic.Module(text)
+  k = realistic.kernels(mod, realistic.H200)
+  return {"kernels": k.total, "attention": "cudnn" if "__cudnn$fmha" in text else "xla",
+          "moe": ("tokamax-triton" if "__gpu$xla.gpu.triton" in text
+                  else "ragged-xla" if "ragged-dot" in text or "ragged_dot" in text else "dense")}
 
 
 def _prompts(cfg: ModelConfig, batch: int, length: int) -> list[list[int]]:
@@ -91,95 +94,60 @@ def _prompts(cfg: ModelConfig, batch: int, length: int) -> list[list[int]]:
   return [[int(t) if int(t) not in bad else 7 for t in rng.integers(10, hi, size=length)] for _ in range(batch)]
 
 
-def run(args: argparse.Namespace, on_row=lambda partial: None) -> dict[str, Any]:
-  """Runs the check; on_row(partial results) is called after every row (main writes the JSON each time, so a
-  run cut short by a timeout still leaves what it measured)."""
-  t_start = time.perf_counter()
-  cfg = tiny_config() if args.tiny else ModelConfig.llada_moe_7b_a1b()
-  dtype = jnp.float32 if args.tiny else jnp.bfloat16
-  dtype_bytes = jnp.dtype(dtype).itemsize
-  G = args.gen_length or (64 if args.tiny else 1024)
-  L = args.block_length or (16 if args.tiny else 64)
-  P = args.prompt_length or (16 if args.tiny else 64)
+def _best(fn, reps: int) -> float:
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - t)
+  return best
+
+
+def time_forwards(params, cfg, gcfg, lay, static, reps: int) -> dict[str, dict[str, Any]]:
+  """Per forward kind: compile once, then time it alone as the engine's loop runs it: a cached forward takes
+  the cache donated and returns it (its K/V writes in place), and the next call takes what it returned."""
+  from dinfer_jax.bench.throughput import forward_programs
+  out = {}
+  for kind, (f, args) in forward_programs(cfg, gcfg, lay, static, table=params["embed"], cache_out=True).items():
+    cached = kind.startswith("cached")
+    t = time.perf_counter()
+    compiled = jax.jit(f, donate_argnums=(2,) if cached else ()).lower(params, *args).compile()
+    compile_s = time.perf_counter() - t
+    state = {"args": list(args)}
+
+    def call():
+      res = compiled(params, *state["args"])
+      if cached:
+        state["args"][1] = res[1]  # the returned cache feeds the next call (the donated one is gone)
+      return res
+    jax.block_until_ready(call())  # warm-up
+    out["refresh" if kind == "full" else kind] = {"ms": 1e3 * _best(call, reps), "compile_s": compile_s,
+                                                  **kernels_of(compiled)}
+  return out
+
+
+def time_generate(params, cfg, prompts, gcfg, repeats: int) -> dict[str, Any]:
   t = time.perf_counter()
-  params = jax.block_until_ready(init_on_device(cfg, dtype))
-  init_s = time.perf_counter() - t
-  n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
-  rows, skipped = [], []
-  batches = [int(b) for b in args.batches.split(",")]
-  ks = [int(k) for k in args.ks.split(",")]
-  for B in batches:
-    prompts = _prompts(cfg, B, P)
-    base = GenerationConfig(gen_length=G, block_length=L, decoder="fixed_steps", steps_per_block=L // ks[0],
-                            cache="dual", early_stop=False, prompt_bucket=min(64, L))
-    lay, static = gen_lib.prepare(cfg, prompts, base)
-    grid = lay.grid
-    if time.perf_counter() - t_start > args.budget_s:
-      skipped.append(f"batch {B}: time budget spent")
-      continue
-    fwd = time_forwards(params, cfg, base, lay, static, reps=args.reps)
-    Tc = grid.canvas_len
-    traffic = {
-        "cached": bytes_per_forward(cfg, dtype_bytes=dtype_bytes, batch=B, tokens=grid.window, kv_len=Tc, logits_tokens=L),
-        "full": bytes_per_forward(cfg, dtype_bytes=dtype_bytes, batch=B, tokens=Tc, kv_len=0, logits_tokens=L),
-    }
-    flops = {
-        "cached": flops_per_forward(cfg, batch=B, tokens=grid.window, kv_len=Tc, logits_tokens=L),
-        "full": flops_per_forward(cfg, batch=B, tokens=Tc, kv_len=Tc, logits_tokens=L),
-    }
-    for k in ks:
-      if time.perf_counter() - t_start > args.budget_s:
-        skipped.append(f"batch {B}, k {k}: time budget spent")
-        continue
-      gcfg = base.replace(steps_per_block=max(1, L // k))
-      t = time.perf_counter()
-      _, out, _ = gen_lib.generate_arrays(params, cfg, prompts, gcfg)
-      jax.block_until_ready(out)
-      first = time.perf_counter() - t
-      walls = []
-      for _ in range(args.repeats):
-        t = time.perf_counter()
-        _, out, _ = gen_lib.generate_arrays(params, cfg, prompts, gcfg)
-        jax.block_until_ready(out)
-        walls.append(time.perf_counter() - t)
-      wall = min(walls)
-      nfe, n_full, n_cached = int(out["nfe"]), int(out["n_full"]), int(out["n_cached"])
-      fps = nfe / wall
-      row = {
-          "batch": B, "k": k, "steps_per_block": gcfg.steps_per_block, "gen_length": G, "block_length": L,
-          "prompt_length": P, "canvas_len": Tc,
-          "cached_fwd_ms": 1e3 * fwd["cached"], "full_fwd_ms": 1e3 * fwd["full"],
-          "hbm_roofline_cached_ms": 1e3 * traffic["cached"]["total"] / HBM_BYTES_PER_S,
-          "hbm_roofline_full_ms": 1e3 * traffic["full"]["total"] / HBM_BYTES_PER_S,
-          "compute_roofline_full_ms": 1e3 * flops["full"] / BF16_FLOPS,
-          "compute_roofline_cached_ms": 1e3 * flops["cached"] / BF16_FLOPS,
-          "generate_s": wall, "compile_s": max(0.0, first - wall), "nfe": nfe, "n_full": n_full,
-          "n_cached": n_cached, "fwd_per_s_in_generate": fps,
-          "tokens_per_s": B * G / wall,
-          "implied_tps_per_seq_at_3.87_tpf": DINFER_TPF * fps, "implied_tps_aggregate_at_3.87_tpf": DINFER_TPF * fps * B,
-          "loop_ms_per_fwd_minus_forwards": 1e3 * (wall - n_full * fwd["full"] - n_cached * fwd["cached"]) / nfe,
-      }
-      row["hbm_fraction_cached"] = row["hbm_roofline_cached_ms"] / row["cached_fwd_ms"]
-      row["hbm_fraction_full"] = row["hbm_roofline_full_ms"] / row["full_fwd_ms"]
-      row["engine_overhead"] = wall / (n_full * fwd["full"] + n_cached * fwd["cached"])
-      rows.append(row)
-      on_row(_result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped))
-  stepped = None
-  if args.stepped_k:
-    if time.perf_counter() - t_start < args.stepped_start_s:
-      stepped = _stepped_row(params, cfg, G, L, P, args.stepped_k, rows)
-    else:
-      skipped.append("Python-stepped comparison: time budget spent")
-  return _result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped, stepped)
+  _, out, _ = gen_lib.generate_arrays(params, cfg, prompts, gcfg)
+  jax.block_until_ready(out)
+  first = time.perf_counter() - t
+  walls = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    _, out, _ = gen_lib.generate_arrays(params, cfg, prompts, gcfg)
+    jax.block_until_ready(out)
+    walls.append(time.perf_counter() - t)
+  wall = min(walls)
+  nfe, n_full, n_cached = int(out["nfe"]), int(out["n_full"]), int(out["n_cached"])
+  B, G = len(prompts), gcfg.gen_length
+  return {"generate_s": wall, "compile_s": max(0.0, first - wall), "nfe": nfe, "n_full": n_full,
+          "n_cached": n_cached, "fwd_per_s": nfe / wall, "tokens_per_s": B * G / wall,
+          "tpf": G / nfe, "tps_at_3.87_tpf": DINFER_TPF * nfe / wall}
 
 
-def _stepped_row(params, cfg, G, L, P, k, rows) -> dict[str, Any]:
-  """The same generation (batch 1, fixed_steps k tokens per forward, dual cache) driven step by step from
-  Python (engine.stepped with a JitRunner: a jitted forward per step and a host sync per step)."""
+def time_stepped(params, cfg, prompt, gcfg) -> dict[str, Any]:
+  """The same generation driven step by step from Python (engine.stepped with a JitRunner)."""
   from dinfer_jax.engine.stepped import JitRunner, stepped_generate
-  gcfg = GenerationConfig(gen_length=G, block_length=L, decoder="fixed_steps", steps_per_block=max(1, L // k),
-                          cache="dual", early_stop=False)
-  prompt = _prompts(cfg, 1, P)[0]
   runner = JitRunner()
   t = time.perf_counter()
   stepped_generate(params, cfg, prompt, gcfg, runner=runner)
@@ -187,91 +155,246 @@ def _stepped_row(params, cfg, G, L, P, k, rows) -> dict[str, Any]:
   t = time.perf_counter()
   res = stepped_generate(params, cfg, prompt, gcfg, runner=runner)
   wall = time.perf_counter() - t
-  out = {"batch": 1, "k": k, "nfe": res.nfe, "generate_s": wall, "compile_s": max(0.0, first - wall),
-         "fwd_per_s": res.nfe / wall}
-  eng = [r for r in rows if r["batch"] == 1 and r["k"] == k]
-  if eng:
-    out["engine_generate_s"] = eng[0]["generate_s"]
-    out["engine_speedup"] = wall / eng[0]["generate_s"]
-    out["same_nfe"] = eng[0]["nfe"] == res.nfe
+  return {"generate_s": wall, "compile_s": max(0.0, first - wall), "nfe": res.nfe, "fwd_per_s": res.nfe / wall}
+
+
+# ----------------------------------------------------------------------------- predictions
+
+def load_predictions(paths: list[pathlib.Path]) -> list[dict[str, Any]]:
+  out = []
+  for p in paths:
+    try:
+      out.append(json.loads(p.read_text()))
+    except (OSError, ValueError) as e:
+      print(f"gpu_check: no prediction from {p} ({e})", file=sys.stderr)
   return out
 
 
-def _result(cfg, dtype, dtype_bytes, n_params, L, P, G, init_s, t_start, rows, skipped, stepped=None) -> dict[str, Any]:
-  return {
-      "stepped": stepped,
-      "config": "llada_moe_7b_a1b" if cfg == ModelConfig.llada_moe_7b_a1b() else "tiny", "dtype": jnp.dtype(dtype).name, "params": n_params,
-      "weight_bytes_per_forward": {"cached_b1": bytes_per_forward(cfg, dtype_bytes=dtype_bytes, batch=1, tokens=L,
-                                                                  kv_len=P + G, logits_tokens=L)},
-      "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops": BF16_FLOPS, "dinfer_tpf": DINFER_TPF,
-      "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-      "init_s": init_s, "total_s": time.perf_counter() - t_start, "rows": rows, "skipped": skipped,
-  }
+def predicted(preds: list[dict[str, Any]], preset: str, setting: str, batch: int) -> dict[str, Any] | None:
+  """The roofline bench's rows for this preset, setting and batch (dual cache, first chip): per forward kind
+  its ideal and realistic ms and the step's work outside it, and the generate program's host syncs."""
+  for res in preds:
+    if res.get("preset") != preset or res.get("setting") != setting:
+      continue
+    rows = [r for r in res["rows"] if r["batch"] == batch and r["cache"] == "dual"]
+    if not rows:
+      continue
+    fwd = {r["kind"]: r for r in rows if r["kind"] != "generate"}
+    gen = [r for r in rows if r["kind"] == "generate"]
+    return {"fwd": fwd, "syncs_step": gen[0]["host_syncs_per_step"] if gen else 0,
+            "syncs_block": gen[0]["host_syncs_per_block"] if gen else 0, "source": res.get("command", "")}
+  return None
+
+
+def predicted_generate_s(pred: dict[str, Any], n_full: int, n_cached: int, blocks: int,
+                         sync_us: float = realistic.H200.sync_us) -> dict[str, float]:
+  """The prediction at the measured forward counts: ideal = forwards at their ideal roofline times;
+  realistic = forwards + the work outside them + host syncs, as the roofline bench charges them."""
+  f = pred["fwd"]
+  ideal = 1e-3 * (n_full * f["refresh"]["roofline_ms"] + n_cached * f["cached"]["roofline_ms"])
+  real = 1e-3 * (n_full * (f["refresh"]["realistic_ms"] + f["refresh"]["step_ms"])
+                 + n_cached * (f["cached"]["realistic_ms"] + f["cached"]["step_ms"]))
+  real += 1e-6 * sync_us * ((n_full + n_cached) * pred["syncs_step"] + blocks * pred["syncs_block"])
+  return {"ideal_s": ideal, "realistic_s": real}
+
+
+# ----------------------------------------------------------------------------- the check
+
+@dataclasses.dataclass
+class Check:
+  args: argparse.Namespace
+  t0: float = dataclasses.field(default_factory=time.perf_counter)
+  res: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.t0
+
+  def item(self, name: str, est_s: float, fn):
+    """Runs one item unless the budget cannot hold its estimate; records the result or why it was skipped."""
+    left = self.args.budget_s - self.elapsed()
+    if left < est_s:
+      self.res["skipped"].append(f"{name}: {left:.0f} s of budget left, needs ~{est_s:.0f} s")
+      return None
+    t = time.perf_counter()
+    try:
+      out = fn()
+    except Exception as e:  # noqa: BLE001  one failed item must not lose the others' numbers
+      self.res["failed"].append(f"{name}: {type(e).__name__}: {e}")
+      print(f"[{self.elapsed():.0f}s] {name} FAILED: {type(e).__name__}: {e}", flush=True)
+      self.write()
+      return None
+    self.res["items"][name] = dict(out, item_s=time.perf_counter() - t)
+    print(f"[{self.elapsed():.0f}s] {name}: {_short(out)}", flush=True)
+    self.write()
+    return out
+
+  def write(self) -> None:
+    if not self.args.out:
+      return
+    out = pathlib.Path(self.args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    self.res["total_s"] = self.elapsed()
+    for name, text in (("gpu_check.json", json.dumps(self.res, indent=1)), ("gpu_check.md", markdown(self.res))):
+      tmp = out / (name + ".tmp")
+      tmp.write_text(text)
+      tmp.replace(out / name)
+
+
+def _short(d: dict[str, Any]) -> str:
+  keys = ("ms", "generate_s", "nfe", "fwd_per_s", "kernels", "moe", "attention", "engine_speedup")
+  parts = []
+  for k, v in d.items():
+    if isinstance(v, dict):
+      parts.append(f"{k} {{{_short(v)}}}")
+    elif k in keys:
+      parts.append(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}")
+  return ", ".join(parts)
+
+
+def shapes(args) -> dict[str, Any]:
+  """The roofline bench's preset (tiny: its tiny preset in fp32) and its generation settings."""
+  name = "tiny" if args.tiny else "llada_moe_7b_a1b"
+  p = presets.get(name)
+  return {"name": name, "cfg": p.model(), "dtype": jnp.float32 if args.tiny else jnp.bfloat16,
+          "P": p.prompt_length, "G": p.gen_length, "L": p.block_length,
+          "gcfgs": {s: roofline.generation_config(p, "dual", s) for s in roofline.SETTINGS}}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+  ck = Check(args)
+  ck.res.update({"items": {}, "skipped": [], "failed": [], "tiny": bool(args.tiny),
+                 "command": "python -m dinfer_jax.bench.gpu_check " + " ".join(args.argv)})
+  ck.res["env"] = environment(allow_cpu=args.tiny)
+  print(f"environment: {ck.res['env']}", flush=True)
+  if args.compile_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  sh = shapes(args)
+  cfg, G, L, P = sh["cfg"], sh["G"], sh["L"], sh["P"]
+  ck.res["shape"] = {"config": sh["name"], "prompt": P, "gen": G, "block": L,
+                     "dtype": jnp.dtype(sh["dtype"]).name, "cache": "dual"}
+  t = time.perf_counter()
+  params = jax.block_until_ready(init_on_device(cfg, sh["dtype"]))
+  ck.res["init_s"] = time.perf_counter() - t
+  gcfgs = sh["gcfgs"]
+  preds = load_predictions([pathlib.Path(p) for p in args.predicted])
+  blocks = -(-G // L)
+  scale = 0.02 if args.tiny else 1.0  # budget estimates per item (s) on an H200; the tiny run is quick
+
+  def fwd_item(B):
+    lay, static = gen_lib.prepare(cfg, _prompts(cfg, B, P), gcfgs["threshold"])
+    res = time_forwards(params, cfg, gcfgs["threshold"], lay, static, args.reps)
+    pred = predicted(preds, ck.res["shape"]["config"], "threshold", B)
+    if pred:
+      for kind, r in res.items():
+        if kind in pred["fwd"]:
+          r["predicted_ideal_ms"] = pred["fwd"][kind]["roofline_ms"]
+          r["predicted_realistic_ms"] = pred["fwd"][kind]["realistic_ms"]
+          r["predicted_kernels"] = pred["fwd"][kind]["kernels"]
+    return res
+
+  def gen_item(B, setting):
+    prompts = _prompts(cfg, B, P)
+    out = time_generate(params, cfg, prompts, gcfgs[setting], args.repeats)
+    pred = predicted(preds, ck.res["shape"]["config"], setting, B)
+    if pred:
+      p = predicted_generate_s(pred, out["n_full"], out["n_cached"], blocks)
+      out["predicted_ideal_s"], out["predicted_realistic_s"] = p["ideal_s"], p["realistic_s"]
+    return out
+
+  def stepped_item():
+    prompt = _prompts(cfg, 1, P)[0]
+    out = time_stepped(params, cfg, prompt, gcfgs["threshold"])
+    eng = ck.res["items"].get("generate_b1_threshold")
+    if eng:
+      out["engine_generate_s"] = eng["generate_s"]
+      out["engine_speedup"] = out["generate_s"] / eng["generate_s"]
+      out["same_nfe"] = out["nfe"] == eng["nfe"]
+    return out
+
+  ck.item("forwards_b1", 60 * scale, lambda: fwd_item(1))
+  ck.item("generate_b1_threshold", 90 * scale, lambda: gen_item(1, "threshold"))
+  ck.item("generate_b1_dinfer", 90 * scale, lambda: gen_item(1, "dinfer"))
+  ck.item("stepped_b1_threshold", 45 * scale, stepped_item)
+  if 8 in args.batches:
+    ck.item("forwards_b8", 45 * scale, lambda: fwd_item(8))
+    ck.item("generate_b8_threshold", 90 * scale, lambda: gen_item(8, "threshold"))
+  ck.write()
+  return ck.res
 
 
 def markdown(res: dict[str, Any]) -> str:
-  lines = [f"{res['config']} ({res['params'] / 1e9:.2f}B params, {res['dtype']}) on {res['device']} "
-           f"({res['backend']}), jax {res['jax']}",
-           "",
-           "| batch | k tok/fwd | cached fwd ms | HBM roofline ms | of roofline | full fwd ms | HBM / compute roofline ms "
-           "| NFE | generate s | fwd/s in generate | engine overhead | TPS at 3.87 TPF (per seq / aggregate) | compile s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r in res["rows"]:
-    lines.append(
-        f"| {r['batch']} | {r['k']} | {r['cached_fwd_ms']:.2f} | {r['hbm_roofline_cached_ms']:.2f} | "
-        f"{100 * r['hbm_fraction_cached']:.0f}% | {r['full_fwd_ms']:.2f} | {r['hbm_roofline_full_ms']:.2f} / "
-        f"{r['compute_roofline_full_ms']:.2f} | {r['nfe']} | {r['generate_s']:.2f} | {r['fwd_per_s_in_generate']:.1f} | "
-        f"{r['engine_overhead']:.3f} | {r['implied_tps_per_seq_at_3.87_tpf']:.0f} / "
-        f"{r['implied_tps_aggregate_at_3.87_tpf']:.0f} | {r['compile_s']:.1f} |")
-  st = res.get("stepped")
+  env = res.get("env", {})
+  sh = res.get("shape", {})
+  lines = [f"GPU check: {sh.get('config')} (prompt {sh.get('prompt')}, gen {sh.get('gen')}, block {sh.get('block')}, "
+           f"{sh.get('dtype')}, dual cache) on {env.get('device')} ({env.get('backend')}, {env.get('platform_version')}), "
+           f"jax {env.get('jax')} / jaxlib {env.get('jaxlib')}, tokamax {'yes' if env.get('tokamax') else 'no'}; "
+           f"{res.get('total_s', 0):.0f} s", ""]
+  items = res.get("items", {})
+  fw = [(k, v) for k, v in items.items() if k.startswith("forwards_")]
+  if fw:
+    lines += ["| batch | forward | measured ms | predicted ideal ms | predicted realistic ms | kernels (predicted) "
+              "| MoE | attention | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, d in fw:
+      for kind, r in d.items():
+        if not isinstance(r, dict):
+          continue
+        lines.append(f"| {name.split('_b')[1]} | {kind} | {r['ms']:.2f} | {_f(r.get('predicted_ideal_ms'))} "
+                     f"| {_f(r.get('predicted_realistic_ms'))} | {r['kernels']} ({r.get('predicted_kernels', '-')}) "
+                     f"| {r['moe']} | {r['attention']} | {r['compile_s']:.1f} |")
+    lines.append("")
+  gens = [(k, v) for k, v in items.items() if k.startswith("generate_")]
+  if gens:
+    lines += ["| run | generate s | predicted ideal s | predicted realistic s | forwards (refresh + cached) | fwd/s "
+              "| tokens/s (random weights) | fwd/s x 3.87 | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in gens:
+      lines.append(f"| {name[len('generate_'):]} | {r['generate_s']:.3f} | {_f(r.get('predicted_ideal_s'), 3)} "
+                   f"| {_f(r.get('predicted_realistic_s'), 3)} | {r['nfe']} ({r['n_full']} + {r['n_cached']}) "
+                   f"| {r['fwd_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['tps_at_3.87_tpf']:.0f} | {r['compile_s']:.1f} |")
+    lines.append("")
+  st = items.get("stepped_b1_threshold")
   if st:
+    lines.append(f"Python-stepped loop, batch 1: {st['generate_s']:.3f} s for {st['nfe']} forwards "
+                 f"({st['fwd_per_s']:.1f} fwd/s)" + (f"; the engine is {st['engine_speedup']:.2f}x faster "
+                                                     f"(same forwards: {st['same_nfe']})" if "engine_speedup" in st else ""))
     lines.append("")
-    lines.append(f"Python-stepped (jitted forward per step, host sync per step), batch 1, k {st['k']}: "
-                 f"{st['generate_s']:.2f} s for {st['nfe']} forwards ({st['fwd_per_s']:.1f} fwd/s)"
-                 + (f"; the engine is {st['engine_speedup']:.2f}x faster (same NFE: {st['same_nfe']})"
-                    if "engine_speedup" in st else ""))
-  if res["skipped"]:
-    lines.append("")
-    lines.append("skipped: " + "; ".join(res["skipped"]))
-  w = res["weight_bytes_per_forward"]["cached_b1"]
-  lines.append("")
-  lines.append(f"bytes per cached forward at batch 1: weights {w['weights'] / 1e9:.2f} GB (experts touched per layer "
-               f"{w['experts_touched_per_layer']:.1f}), KV {w['kv'] / 1e9:.3f} GB; HBM {res['hbm_bytes_per_s'] / 1e12:.1f} TB/s")
+  for key, title in (("skipped", "skipped"), ("failed", "failed")):
+    if res.get(key):
+      lines.append(f"{title}: " + "; ".join(res[key]))
   return "\n".join(lines)
 
 
+def _f(x, nd: int = 2) -> str:
+  return "-" if x is None else f"{x:.{nd}f}"
+
+
 def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--json", dest="json_out", default=None, help="write the results here")
-  ap.add_argument("--tiny", action="store_true", help="a tiny config, gen_length 64 (CPU smoke test)")
-  ap.add_argument("--batches", default="1,8")
-  ap.add_argument("--ks", default="1,4", help="tokens committed per forward (steps_per_block = block_length / k)")
-  ap.add_argument("--gen-length", type=int, default=0)
-  ap.add_argument("--block-length", type=int, default=0)
-  ap.add_argument("--prompt-length", type=int, default=0)
-  ap.add_argument("--repeats", type=int, default=1, help="timed generate calls per config (best)")
+  ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.json and gpu_check.md")
+  ap.add_argument("--tiny", action="store_true", help="the tiny preset, fp32, any device (the CPU rehearsal)")
+  ap.add_argument("--batches", default="1,8", help="1 and/or 8 (batch 8 runs last)")
   ap.add_argument("--reps", type=int, default=5, help="timed calls per standalone forward (best)")
-  ap.add_argument("--stepped-k", type=int, default=4,
-                  help="also run the Python-stepped loop at batch 1 with this k (0: skip)")
-  ap.add_argument("--stepped-start-s", type=float, default=300.0,
-                  help="start the Python-stepped comparison only before this many seconds")
-  ap.add_argument("--budget-s", type=float, default=400.0,
-                  help="skip configs not yet started after this many seconds (the check must end in 8 minutes)")
+  ap.add_argument("--repeats", type=int, default=1, help="timed generate calls per run (best)")
+  ap.add_argument("--budget-s", type=float, default=330.0,
+                  help="items whose estimate no longer fits are skipped (the check must end within 6 minutes)")
+  ap.add_argument("--compile-cache", default=os.environ.get("DINFER_JAX_GPU_CHECK_CACHE", "/tmp/dinfer_jax_gpu_cc"),
+                  help="persistent compilation cache (a rerun skips the compiles); '' to disable")
+  ap.add_argument("--predicted", action="append", default=None,
+                  help="roofline bench JSON(s) to compare with (default: dinfer_jax/bench/predicted/*.json)")
   args = ap.parse_args(argv)
-  def write(res):
-    if args.json_out:
-      pathlib.Path(args.json_out).write_text(json.dumps(res, indent=1))
-
-  def on_row(res):
-    write(res)
-    r = res["rows"][-1]
-    print(f"[{res['total_s']:.0f}s] batch {r['batch']} k {r['k']}: cached fwd {r['cached_fwd_ms']:.2f} ms, "
-          f"full fwd {r['full_fwd_ms']:.2f} ms, {r['fwd_per_s_in_generate']:.1f} fwd/s in generate", flush=True)
-
-  res = run(args, on_row)
-  write(res)
+  args.argv = argv
+  try:
+    args.batches = [int(b) for b in args.batches.split(",")]
+  except ValueError:
+    raise SystemExit(f"--batches {args.batches!r}: expected 1 and/or 8") from None
+  if not set(args.batches) <= {1, 8} or 1 not in args.batches:
+    raise SystemExit(f"--batches {args.batches}: expected 1 or 1,8")
+  if args.predicted is None:
+    args.predicted = sorted(str(p) for p in PREDICTED_DIR.glob("*.json"))
+  res = run(args)
   print(markdown(res))
-  return 0
+  return 0 if not res["failed"] else 1
 
 
 if __name__ == "__main__":

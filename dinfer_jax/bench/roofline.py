@@ -39,11 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.bench import presets
-from dinfer_jax.bench.gpu_check import bytes_per_forward, flops_per_forward
+from dinfer_jax.bench import realistic
+from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward
 from dinfer_jax.bench.throughput import cached_kind, forward_programs
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine import iteration
 from dinfer_jax.engine import loop
+from dinfer_jax.engine.loop import _decode_rows, _init_rows
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.model import moe
 from dinfer_jax.model import params as params_lib
@@ -287,17 +289,71 @@ def _prompts(cfg, batch: int, length: int) -> list[list[int]]:
   return [[t if t not in bad else 7 for t in range(10 + r, 10 + r + length)] for r in range(batch)]
 
 
-def generation_config(preset: presets.Preset, cache: str) -> GenerationConfig:
-  return GenerationConfig(gen_length=preset.gen_length, block_length=preset.block_length, cache=cache,
+# The decoder settings the bench compiles, and the tokens per forward each is known to reach (dInfer paper
+# Table 1, LLaDA-MoE, dual cache): a prediction uses the TPF of what was compiled (--tpf overrides).
+SETTINGS = {
+    # threshold 0.8 + iteration smoothing + vicinity refresh (prefix/after look 16, warm-up 4): dInfer's
+    # KV-cache row, TPF 3.87.
+    "dinfer": DINFER_TPF,
+    # plain threshold 0.8: dInfer reports no TPF for it with a cache; give --tpf.
+    "threshold": None,
+}
+
+
+def generation_config(preset: presets.Preset, cache: str, setting: str = "dinfer") -> GenerationConfig:
+  if setting not in SETTINGS:
+    raise ValueError(f"--setting {setting!r}: choose from {', '.join(SETTINGS)}")
+  gcfg = GenerationConfig(gen_length=preset.gen_length, block_length=preset.block_length, cache=cache,
                           threshold=0.8, prompt_bucket=preset.block_length, early_stop=True)
+  if setting == "dinfer":
+    vic = dict(prefix_look=16, after_look=16, warmup_steps=4) if cache == "dual" else {}
+    gcfg = gcfg.replace(cont_weight=0.3, **vic)
+  return gcfg
+
+
+def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype) -> dict[str, tuple[Any, tuple]]:
+  """The work of a loop iteration outside its forward, per forward kind: the decoder on the block's logits
+  and, with smoothing, the soft embeddings of the positions the forward saw (the whole canvas after a
+  refresh, the window after a cached forward): f(table, logits, canvas, ...) as the loop runs them."""
+  grid = lay.grid
+  B, L, Tc, W, V, D = grid.batch, grid.block_len, grid.canvas_len, grid.window, cfg.vocab_size, cfg.d_model
+  decoder, mask_id = static["decoder"], static["mask_id"]
+  out = {}
+  kinds = (("refresh", Tc), ("cached", W)) if gcfg.cache != "none" else (("refresh", Tc),)
+  for kind, width in kinds:
+    width = width if gcfg.smoothing else L
+
+    def f(table, logits, tokens, maskable, n, seed, width=width):
+      blk = logits[:, :L]
+      dec = _init_rows(decoder, tokens[:, :L], maskable)
+      thr = iteration.step_threshold(n, gcfg, gcfg.threshold)
+      keys = jax.vmap(lambda r: jax.random.fold_in(seed, r))(jnp.arange(B))
+      new, committed, _ = _decode_rows(decoder, dec, blk, tokens[:, :L], maskable, thr, keys, mask_id=mask_id,
+                                       temperature=0.0)
+      res = {"tokens": new, "committed": committed}
+      if gcfg.smoothing:
+        toks = jnp.concatenate([new, tokens[:, L:]], axis=1)
+        res["emb"] = iteration.soft_embed(table, toks, logits, toks == mask_id,
+                                          iteration.smooth_weight(n, gcfg.cont_weight))
+      return res
+    args = (jax.ShapeDtypeStruct((V, D), dtype), jax.ShapeDtypeStruct((B, width, V), jnp.float32),
+            jax.ShapeDtypeStruct((B, width), jnp.int32), jax.ShapeDtypeStruct((B, L), jnp.bool_),
+            jax.ShapeDtypeStruct((B,), jnp.int32), jax.random.PRNGKey(0))
+    out[kind] = (f, args)
+  return out
 
 
 def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dtype=jnp.bfloat16,
-                 with_generate: bool = True) -> list[dict[str, Any]]:
-  """One row per forward kind (refresh/full and cached) plus one for the generate program."""
+                 with_generate: bool = True, setting: str = "dinfer",
+                 charges: realistic.Charges = realistic.H200) -> list[dict[str, Any]]:
+  """One row per forward kind (refresh/full and cached) plus one for the generate program.
+
+  Each forward row has the ideal figures (spec peaks, cost analysis as is) and the realistic ones
+  (bench.realistic: achievable peaks, kernel floors, the grouped GEMM's tiles, the gather at its rows) plus
+  the realistic time of the iteration's work outside the forward (decoder, smoothing: step_ms)."""
   preset = presets.get(preset_name)
   cfg = preset.model()
-  gcfg = generation_config(preset, cache)
+  gcfg = generation_config(preset, cache, setting)
   lay, static = gen_lib.prepare(cfg, _prompts(cfg, batch, preset.prompt_length), gcfg)
   grid = lay.grid
   # The engine runs on the per-layer layout (generate.inference_params).
@@ -306,13 +362,21 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   dbytes = jnp.dtype(dtype).itemsize
   L, Tc, W = grid.block_len, grid.canvas_len, grid.window
   rows = []
+  steps = {}
+  for kind, (f, args) in step_programs(cfg, gcfg, lay, static, dtype=dtype).items():
+    compiled, _ = target.compile(f, *target.abstract(args))
+    text = compiled_text(compiled)
+    steps[kind] = realistic.forward_time(ModuleCost(text).total(), realistic.Module(text), charges)
   for kind, (f, args) in forward_programs(cfg, gcfg, lay, static, abstract_dtype=dtype, cache_out=True).items():
     # A cached forward takes the cache donated and returns it, as the engine's loop carries it: its K/V
     # writes are then in place (argument 2 of f(params, inputs, cache, ...)).
     donate = (2,) if kind.startswith("cached") else ()
     compiled, compile_s = target.compile(f, aparams, *target.abstract(args), donate=donate)
-    mc = ModuleCost(compiled_text(compiled))
+    text = compiled_text(compiled)
+    mc = ModuleCost(text)
     cost = mc.total()
+    real = realistic.forward_time(cost, realistic.Module(text), charges)
+    step = steps["cached" if kind.startswith("cached") else "refresh"]
     tokens = Tc if kind == "full" else (int(kind.split("@")[1]) if "@" in kind else W)
     kv_len = 0 if kind == "full" else Tc
     floor = bytes_per_forward(cfg, dtype_bytes=dbytes, batch=batch, tokens=tokens, kv_len=kv_len, logits_tokens=L)
@@ -329,49 +393,74 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
         "floor_bytes": floor_bytes, "bytes_over_floor": cost["bytes"] / floor_bytes, "routed_flops": routed,
         "flops_over_routed": cost["flops"] / routed, "roofline_ms": 1e3 * target.chip.roofline_s(cost["flops"], cost["bytes"]),
         "floor_ms": 1e3 * target.chip.roofline_s(routed, floor_bytes), "unknown_trip_loops": mc.unknown_trip_loops,
-        "host_ops": mc.host_ops, "kernel_calls": mc.kernel_calls, "compile_s": compile_s,
+        "host_ops": mc.host_ops, "kernel_calls": mc.kernel_calls, "compile_s": compile_s, "setting": setting,
+        "realistic_ms": 1e3 * real["realistic_s"], "step_ms": 1e3 * step["realistic_s"],
+        "step_kernels": step["kernels"], **{k: v for k, v in real.items() if k != "realistic_s"},
     })
   if with_generate:
     args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
     compiled, compile_s = target.compile(loop.run, aparams, *target.abstract(args), static=static, donate=(1,))
-    mc = ModuleCost(compiled_text(compiled))
+    text = compiled_text(compiled)
+    mc = ModuleCost(text)
+    syncs = realistic.host_syncs(realistic.Module(text))
     rows.append({"preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch,
                  "cache": cache, "kind": "generate", "tokens": Tc, **memory(compiled), "host_ops": mc.host_ops,
-                 "while_loops": sum(len(mc._loops(c)) for c in mc.comps), "compile_s": compile_s})
+                 "while_loops": sum(len(mc._loops(c)) for c in mc.comps), "compile_s": compile_s, "setting": setting,
+                 "host_syncs_per_step": syncs.per_step, "host_syncs_per_block": syncs.per_block})
   return rows
 
 
-def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float) -> list[dict[str, Any]]:
-  """Predicted TPS per (batch, cache) at tpf tokens per forward from the forwards' roofline times."""
+def _generation_s(t: dict[str, float], cache: str, G: int, L: int, tpf: float, per_block_s: float = 0.0) -> float:
+  """Seconds of a G-token generation at tpf tokens per forward from per-forward-kind seconds t."""
+  forwards = G / tpf
+  if cache == "none":
+    return forwards * t["full"]
+  refreshes = -(-G // L)
+  cached = max(forwards - refreshes, 0.0)
+  # The cached forwards spread evenly over the blocks; the prefix cache's window shrinks with the block.
+  kinds = ["cached"] * refreshes
+  if cache == "prefix":
+    widths = iteration.prefix_windows(refreshes, L)
+    kinds = [cached_kind(widths, widths[int(iteration.prefix_window_index(k * L, widths=widths, gen_end=G))])
+             for k in range(refreshes)]
+  return refreshes * (t["refresh"] + per_block_s) + sum(cached / refreshes * t[k] for k in kinds)
+
+
+def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float,
+            charges: realistic.Charges = realistic.H200) -> list[dict[str, Any]]:
+  """Predicted TPS per (batch, cache) at tpf tokens per forward: ideal (the forwards' roofline times at spec
+  peaks), floor (the byte/FLOP floors) and realistic (each forward's realistic time + the iteration's work
+  outside it + its host syncs, as compiled)."""
   preset = presets.get(preset_name)
   G, L = preset.gen_length, preset.block_length
   out = []
   keys = sorted({(r["batch"], r["cache"]) for r in rows if r["kind"] != "generate"})
   for batch, cache in keys:
-    t = {r["kind"]: r["roofline_ms"] / 1e3 for r in rows if (r["batch"], r["cache"]) == (batch, cache) and "roofline_ms" in r}
-    fl = {r["kind"]: r["floor_ms"] / 1e3 for r in rows if (r["batch"], r["cache"]) == (batch, cache) and "floor_ms" in r}
-    forwards = G / tpf
-    if cache == "none":
-      gen_s, floor_s = forwards * t["full"], forwards * fl["full"]
-    else:
-      refreshes = -(-G // L)
-      cached = max(forwards - refreshes, 0.0)
-      # The cached forwards spread evenly over the blocks; the prefix cache's window shrinks with the block.
-      kinds = ["cached"] * refreshes
-      if cache == "prefix":
-        widths = iteration.prefix_windows(refreshes, L)
-        kinds = [cached_kind(widths, widths[int(iteration.prefix_window_index(k * L, widths=widths, gen_end=G))])
-                 for k in range(refreshes)]
-      gen_s = refreshes * t["refresh"] + sum(cached / refreshes * t[k] for k in kinds)
-      floor_s = refreshes * fl["refresh"] + sum(cached / refreshes * fl[k] for k in kinds)
+    mine = [r for r in rows if (r["batch"], r["cache"]) == (batch, cache)]
+    fwd = [r for r in mine if r["kind"] != "generate"]
+    gen = [r for r in mine if r["kind"] == "generate"]
+    per_step = gen[0]["host_syncs_per_step"] if gen else None
+    per_block = gen[0]["host_syncs_per_block"] if gen else None
+    sync_s = 1e-6 * charges.sync_us
+    gen_s = _generation_s({r["kind"]: r["roofline_ms"] / 1e3 for r in fwd}, cache, G, L, tpf)
+    floor_s = _generation_s({r["kind"]: r["floor_ms"] / 1e3 for r in fwd}, cache, G, L, tpf)
+    real = {r["kind"]: (r["realistic_ms"] + r["step_ms"]) / 1e3 + (per_step or 0) * sync_s for r in fwd}
+    real_s = _generation_s(real, cache, G, L, tpf, per_block_s=(per_block or 0) * sync_s)
     out.append({"batch": batch, "cache": cache, "tpf": tpf, "generate_ms": 1e3 * gen_s,
                 "predicted_tps_per_seq": G / gen_s, "predicted_tps_aggregate": batch * G / gen_s,
-                "floor_tps_per_seq": G / floor_s})
+                "floor_tps_per_seq": G / floor_s, "realistic_generate_ms": 1e3 * real_s,
+                "realistic_tps_per_seq": G / real_s, "realistic_tps_aggregate": batch * G / real_s,
+                "host_syncs_per_step": per_step, "host_syncs_per_block": per_block})
   return out
 
 
-def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str], target_kind: str, tpf: float,
-        with_generate: bool = True, progress=print) -> dict[str, Any]:
+def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str], target_kind: str,
+        tpf: float | None = None, with_generate: bool = True, progress=print, setting: str = "dinfer") -> dict[str, Any]:
+  """tpf: tokens per forward of the prediction; None takes the compiled setting's known figure (SETTINGS)."""
+  if tpf is None:
+    tpf = SETTINGS.get(setting)
+    if tpf is None:
+      raise ValueError(f"--setting {setting}: no known tokens-per-forward figure for it; give --tpf")
   rows, predictions, label = [], [], ""
   for chip_name in chips:
     target = Target(target_kind, CHIPS[chip_name])
@@ -379,31 +468,42 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
     chip_rows = []
     for cache in caches:
       for b in batches:
-        new = forward_rows(target, preset_name, b, cache, with_generate=with_generate)
+        new = forward_rows(target, preset_name, b, cache, with_generate=with_generate, setting=setting,
+                           charges=realistic.CHARGES[chip_name])
         for r in new:
           if progress:
             progress(_line(r))
         chip_rows += new
     rows += chip_rows
-    predictions += [dict(p, chip=CHIPS[chip_name].name) for p in predict(chip_rows, preset_name, tpf)]
-  out: dict[str, Any] = {"preset": preset_name, "target": target_kind, "label": label,
+    predictions += [dict(p, chip=CHIPS[chip_name].name)
+                    for p in predict(chip_rows, preset_name, tpf, realistic.CHARGES[chip_name])]
+  out: dict[str, Any] = {"preset": preset_name, "target": target_kind, "label": label, "setting": setting,
+                         "charges": {c: dataclasses.asdict(realistic.CHARGES[c]) for c in chips},
                          "tpf": tpf, "rows": rows, "predictions": predictions, "jax": jax.__version__,
                          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
   first = CHIPS[chips[0]].name
   p1 = [p for p in predictions if p["chip"] == first and p["batch"] == 1 and p["cache"] == "dual"]
   c1 = [r for r in rows if r["chip"] == first and r["batch"] == 1 and r["cache"] == "dual" and r["kind"] == "cached"]
+  p8 = [p for p in predictions if p["chip"] == first and p["batch"] == 8 and p["cache"] == "dual"]
+  g1 = [r for r in rows if r["chip"] == first and r["batch"] == 1 and r["cache"] == "dual" and r["kind"] == "generate"]
   out["predicted_tps_batch1"] = p1[0]["predicted_tps_per_seq"] if p1 else None
   out["cached_bytes_over_floor_batch1"] = c1[0]["bytes_over_floor"] if c1 else None
+  out["realistic_tps_batch1"] = p1[0]["realistic_tps_per_seq"] if p1 else None
+  out["realistic_tps_batch8_aggregate"] = p8[0]["realistic_tps_aggregate"] if p8 else None
+  out["kernels_per_cached_forward_batch1"] = c1[0]["kernels"] if c1 else None
+  out["host_syncs_per_step"] = g1[0]["host_syncs_per_step"] if g1 else None
   return out
 
 
 def _line(r: dict[str, Any]) -> str:
   if r["kind"] == "generate":
     return (f"{r['chip']} b{r['batch']} {r['cache']} generate: temp {r['temp_bytes'] / 1e9:.2f} GB, "
-            f"host ops {r['host_ops']}, compile {r['compile_s']:.1f} s")
+            f"host ops {r['host_ops']}, host syncs {r['host_syncs_per_step']} per step + {r['host_syncs_per_block']} "
+            f"per block, compile {r['compile_s']:.1f} s")
   return (f"{r['chip']} b{r['batch']} {r['cache']} {r['kind']} ({r['moe_impl']}): {r['flops'] / 1e12:.2f} TFLOP, "
           f"{r['bytes'] / 1e9:.2f} GB (floor {r['floor_bytes'] / 1e9:.2f}, x{r['bytes_over_floor']:.2f}), "
-          f"{r['roofline_ms']:.2f} ms, temp {r['temp_bytes'] / 1e9:.2f} GB, compile {r['compile_s']:.1f} s")
+          f"{r['roofline_ms']:.2f} ms ideal, {r['realistic_ms']:.2f} ms realistic ({r['kernels']} kernels) + "
+          f"{r['step_ms']:.2f} ms outside the forward, temp {r['temp_bytes'] / 1e9:.2f} GB, compile {r['compile_s']:.1f} s")
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -416,16 +516,30 @@ def markdown(res: dict[str, Any]) -> str:
     lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r['kind']} | {r['moe_impl']} | {r['flops'] / 1e12:.3f} "
                  f"| {r['routed_flops'] / 1e12:.3f} | {r['bytes'] / 1e9:.2f} | {r['floor_bytes'] / 1e9:.2f} "
                  f"| {r['bytes_over_floor']:.2f} | {r['temp_bytes'] / 1e9:.3f} | {r['roofline_ms']:.2f} | {r['floor_ms']:.2f} |")
-  lines += ["", "| chip | batch | cache | generate program temp GB | host transfers | compile s |", "|---|---|---|---|---|---|"]
+  lines += ["", "Realistic (achievable peaks, kernel floors, grouped GEMM tiles, gather at its rows; bench.realistic):", "",
+            "| chip | batch | cache | forward | kernels (in CUDA graphs / separate) | GB | TFLOP | grouped GEMM pad TFLOP "
+            "| kernel floors ms | empty grid ms | realistic ms | outside the forward ms (kernels) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in res["rows"]:
+    if r["kind"] == "generate":
+      continue
+    lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r['kind']} | {r['kernels']} ({r['kernels_in_graphs']} / "
+                 f"{r['separate_launches']}) | {r['realistic_bytes'] / 1e9:.2f} | {r['realistic_flops'] / 1e12:.3f} "
+                 f"| {r['grouped_gemm_pad_flops'] / 1e12:.3f} | {r['kernel_overhead_s'] * 1e3:.2f} "
+                 f"| {r['grouped_gemm_empty_s'] * 1e3:.2f} | {r['realistic_ms']:.2f} | {r['step_ms']:.2f} ({r['step_kernels']}) |")
+  lines += ["", "| chip | batch | cache | generate program temp GB | host transfers | host syncs per step / per block "
+            "| compile s |", "|---|---|---|---|---|---|---|"]
   for r in res["rows"]:
     if r["kind"] == "generate":
       lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r['temp_bytes'] / 1e9:.3f} | {r['host_ops']} "
-                   f"| {r['compile_s']:.1f} |")
-  lines += ["", f"| chip | batch | cache | predicted TPS per seq at TPF {res['tpf']} | aggregate | floor TPS per seq |",
-            "|---|---|---|---|---|---|"]
+                   f"| {r['host_syncs_per_step']} / {r['host_syncs_per_block']} | {r['compile_s']:.1f} |")
+  lines += ["", f"Setting {res['setting']}, TPF {res['tpf']}:", "",
+            "| chip | batch | cache | ideal TPS per seq | ideal aggregate | realistic TPS per seq | realistic aggregate "
+            "| floor TPS per seq |", "|---|---|---|---|---|---|---|---|"]
   for p in res["predictions"]:
     lines.append(f"| {p['chip']} | {p['batch']} | {p['cache']} | {p['predicted_tps_per_seq']:.0f} "
-                 f"| {p['predicted_tps_aggregate']:.0f} | {p['floor_tps_per_seq']:.0f} |")
+                 f"| {p['predicted_tps_aggregate']:.0f} | {p['realistic_tps_per_seq']:.0f} "
+                 f"| {p['realistic_tps_aggregate']:.0f} | {p['floor_tps_per_seq']:.0f} |")
   return "\n".join(lines)
 
 
@@ -437,7 +551,11 @@ def main(argv=None) -> int:
   ap.add_argument("--caches", default="dual", help="comma list of none, prefix, dual")
   ap.add_argument("--target", default=None, choices=["cuda", "cpu"],
                   help="default: cuda when the CUDA plugin is installed, else cpu")
-  ap.add_argument("--tpf", type=float, default=DINFER_TPF, help="tokens per forward for the predicted TPS")
+  ap.add_argument("--setting", default="dinfer", choices=sorted(SETTINGS),
+                  help="decoder settings compiled: dinfer = threshold 0.8 + smoothing + vicinity (TPF 3.87), "
+                       "threshold = plain threshold 0.8 (needs --tpf)")
+  ap.add_argument("--tpf", type=float, default=None,
+                  help="tokens per forward for the predicted TPS (default: the setting's known figure)")
   ap.add_argument("--no-generate", action="store_true", help="skip compiling the whole generate program")
   ap.add_argument("--json", dest="json_out", default=None)
   args = ap.parse_args(argv)
@@ -456,11 +574,17 @@ def main(argv=None) -> int:
   if bad:
     raise SystemExit(f"--caches: unknown {bad}; choose from none, prefix, dual")
   target = args.target or ("cuda" if cuda_plugin_available() else "cpu")
-  res = run(args.preset, chips, batches, caches, target, args.tpf, with_generate=not args.no_generate)
+  try:
+    res = run(args.preset, chips, batches, caches, target, args.tpf, with_generate=not args.no_generate,
+              setting=args.setting)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
   res["command"] = "python -m dinfer_jax.bench.roofline " + " ".join(argv if argv is not None else sys.argv[1:])
   print(markdown(res))
   print(f"\npredicted_tps_batch1: {res['predicted_tps_batch1']}")
-  print(f"cached_bytes_over_floor_batch1: {res['cached_bytes_over_floor_batch1']}")
+  for key in ("cached_bytes_over_floor_batch1", "realistic_tps_batch1", "realistic_tps_batch8_aggregate",
+              "kernels_per_cached_forward_batch1", "host_syncs_per_step"):
+    print(f"{key}: {res[key]}")
   if args.json_out:
     path = pathlib.Path(args.json_out)
     tmp = path.with_name(path.name + ".tmp")

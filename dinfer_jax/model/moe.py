@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib.util
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +34,19 @@ from dinfer_jax.model.layers import swiglu
 ACCEL_DENSE_MAX_TOKENS = 128
 
 
+@functools.lru_cache(maxsize=None)
 def has_gpu_grouped_gemm() -> bool:
-  """tokamax (the `cuda12` extra) provides the GPU grouped GEMM."""
-  return importlib.util.find_spec("tokamax") is not None
+  """tokamax (the `cuda12` extra) provides the GPU grouped GEMM. Installed but not importable (a jax it was
+  not built for) counts as absent, with one warning: the MoE then runs the dense kernel on GPU."""
+  if importlib.util.find_spec("tokamax") is None:
+    return False
+  try:
+    _tokamax()
+  except Exception as e:  # noqa: BLE001  any import-time failure of a third-party kernel library
+    warnings.warn(f"tokamax is installed but does not import ({type(e).__name__}: {e}); "
+                  "the MoE runs its dense kernel on GPU")
+    return False
+  return True
 
 
 def route(h: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:

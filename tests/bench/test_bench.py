@@ -4,12 +4,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from dinfer_jax import api, cli
-from dinfer_jax.bench import gpu_check, metrics, throughput
+from dinfer_jax.bench import floors, gpu_check, metrics, throughput
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.generate import count_generated, generate
@@ -127,26 +130,66 @@ def test_bench_cli_bad_variant(capsys):
 
 # ----------------------------------------------------------------------------- GPU check, tiny on CPU
 
-def test_gpu_check_tiny(tmp_path, capsys):
-  out = tmp_path / "gpu.json"
-  assert gpu_check.main(["--tiny", "--batches", "1", "--ks", "4", "--gen-length", "32", "--reps", "1",
-                         "--json", str(out)]) == 0
-  d = json.loads(out.read_text())
-  (row,) = d["rows"]
-  assert row["batch"] == 1 and row["k"] == 4 and row["steps_per_block"] == 4
-  assert row["nfe"] == row["n_full"] + row["n_cached"] and row["n_full"] == 2  # one refresh per block
-  for key in ("cached_fwd_ms", "full_fwd_ms", "fwd_per_s_in_generate", "hbm_fraction_cached",
-              "implied_tps_per_seq_at_3.87_tpf", "engine_overhead"):
-    assert row[key] > 0, key
-  st = d["stepped"]  # the same generation stepped from Python: same forwards
-  assert st["same_nfe"] and st["nfe"] == row["nfe"] and st["engine_speedup"] > 0
-  assert "| batch |" in capsys.readouterr().out
+def _prediction(setting: str) -> dict:
+  """A roofline bench JSON for the tiny preset with hand-set times (the check's side-by-side arithmetic)."""
+  def fwd(kind, ideal, real, step):
+    return {"batch": 1, "cache": "dual", "kind": kind, "roofline_ms": ideal, "realistic_ms": real, "step_ms": step,
+            "kernels": 100}
+  return {"preset": "tiny", "setting": setting, "command": "hand-made",
+          "rows": [fwd("refresh", 2.0, 3.0, 0.5), fwd("cached", 1.0, 1.5, 0.25),
+                   {"batch": 1, "cache": "dual", "kind": "generate", "host_syncs_per_step": 1,
+                    "host_syncs_per_block": 2}]}
+
+
+def test_gpu_check_rehearsal_on_cpu(tmp_path, capsys):
+  """The GPU check's own code path on the tiny preset (JAX_PLATFORMS=cpu in the suite): every item runs, the
+  JSON and markdown are written, and the prediction is put beside each measurement at its forward counts."""
+  preds = []
+  for setting in ("threshold", "dinfer"):
+    preds += ["--predicted", str(tmp_path / f"{setting}.json")]
+    (tmp_path / f"{setting}.json").write_text(json.dumps(_prediction(setting)))
+  out = tmp_path / "out"
+  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--reps", "1", *preds]) == 0
+  d = json.loads((out / "gpu_check.json").read_text())
+  assert d["env"]["backend"] == "cpu" and not d["skipped"] and not d["failed"]
+  items = d["items"]
+  assert set(items) == {"forwards_b1", "generate_b1_threshold", "generate_b1_dinfer", "stepped_b1_threshold",
+                        "forwards_b8", "generate_b8_threshold"}
+  for kind in ("refresh", "cached"):
+    r = items["forwards_b1"][kind]
+    assert r["ms"] > 0 and r["kernels"] > 0 and r["moe"] == "dense" and r["attention"] == "xla"
+  assert items["forwards_b1"]["cached"]["predicted_realistic_ms"] == 1.5
+  g = items["generate_b1_threshold"]
+  assert g["nfe"] == g["n_full"] + g["n_cached"] and g["n_full"] == 4  # one refresh per block
+  sync = 15e-6
+  assert g["predicted_ideal_s"] == pytest.approx(1e-3 * (2.0 * g["n_full"] + 1.0 * g["n_cached"]))
+  assert g["predicted_realistic_s"] == pytest.approx(
+      1e-3 * (3.5 * g["n_full"] + 1.75 * g["n_cached"]) + sync * (g["nfe"] * 1 + 4 * 2))
+  assert "predicted_ideal_s" not in items["generate_b8_threshold"]  # no batch-8 prediction was given
+  st = items["stepped_b1_threshold"]  # the same generation stepped from Python: same forwards
+  assert st["same_nfe"] and st["engine_speedup"] > 0
+  md = (out / "gpu_check.md").read_text()
+  assert "| b1_dinfer |" in md and "Python-stepped loop" in md
+  assert "| 1 | cached |" in capsys.readouterr().out
+
+
+def test_gpu_check_needs_a_gpu_without_tiny(monkeypatch):
+  with pytest.raises(SystemExit, match="JAX sees no GPU"):
+    gpu_check.main(["--out", "", "--compile-cache", ""])
+
+
+def test_gpu_check_skips_what_the_budget_cannot_hold(tmp_path):
+  out = tmp_path / "out"
+  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--budget-s", "0.5",
+                         "--batches", "1"]) == 0
+  d = json.loads((out / "gpu_check.json").read_text())
+  assert d["items"] == {} and len(d["skipped"]) == 4 and "budget" in d["skipped"][0]
 
 
 def test_roofline_bytes_llada_moe():
   """At batch 1 a 64-token block touches (essentially) all 64 experts; the weights read are ~14 GB in bf16."""
   cfg = gpu_check.ModelConfig.llada_moe_7b_a1b()
-  b = gpu_check.bytes_per_forward(cfg, dtype_bytes=2, batch=1, tokens=64, kv_len=1088, logits_tokens=64)
+  b = floors.bytes_per_forward(cfg, dtype_bytes=2, batch=1, tokens=64, kv_len=1088, logits_tokens=64)
   assert b["experts_touched_per_layer"] == pytest.approx(64, abs=0.01)
   assert 13.5e9 < b["weights"] < 14.5e9
 
@@ -173,3 +216,26 @@ def test_bench_preset_random_model(tmp_path):
   eng, st = res["variants"]["engine"], res["variants"]["stepped"]
   assert eng["nfe"] == st["nfe"] and eng["tokens"] == st["tokens"]
   assert res["vs_python_stepped"] > 0
+
+
+def test_gpu_check_script_rehearsal(tmp_path):
+  """gpu_check.sh itself (the command the GPU machine runs: its python3, PYTHONPATH, no install) on CPU."""
+  out = tmp_path / "out"
+  env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", DINFER_JAX_SITE=str(tmp_path / "site"))
+  script = pathlib.Path(gpu_check.__file__).with_name("gpu_check.sh")
+  p = subprocess.run([str(script), str(out), "--tiny", "--batches", "1", "--reps", "1", "--compile-cache", ""],
+                     env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  d = json.loads((out / "gpu_check.json").read_text())
+  assert {"forwards_b1", "generate_b1_threshold", "generate_b1_dinfer", "stepped_b1_threshold"} == set(d["items"])
+  assert "| b1_threshold |" in p.stdout
+
+
+def test_box_install_keeps_what_the_machine_has(tmp_path, capsys):
+  from dinfer_jax.bench import box_install
+  wheels = tmp_path / "whl"
+  wheels.mkdir()
+  (wheels / "numpy-1.0-py3-none-any.whl").write_bytes(b"")  # present here: never installed
+  assert box_install.dist_name(wheels / "typing_inspection-0.4.5-py3-none-any.whl") == "typing-inspection"
+  assert box_install.main([str(wheels), str(tmp_path / "site")]) == 0
+  assert "kept: numpy" in capsys.readouterr().out and not (tmp_path / "site").exists()

@@ -89,3 +89,8 @@ def test_tiny_preset_deviceless_cuda(tmp_path):
   assert rows["cached"]["flops"] > 0 and rows["cached"]["unknown_trip_loops"] == 0
   assert rows["generate"]["host_ops"] == 0
   assert res["predicted_tps_batch1"] > 0
+  # The realistic model: slower than the ideal, kernels counted from the module, host syncs from the loop.
+  assert 0 < res["realistic_tps_batch1"] < res["predicted_tps_batch1"]
+  assert res["kernels_per_cached_forward_batch1"] == rows["cached"]["kernels"] > 0
+  assert rows["cached"]["realistic_ms"] > rows["cached"]["roofline_ms"] and rows["cached"]["step_ms"] > 0
+  assert res["host_syncs_per_step"] == rows["generate"]["host_syncs_per_step"] >= 0

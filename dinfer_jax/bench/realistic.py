@@ -1,0 +1,321 @@
+"""What a real GPU charges beyond the ideal roofline, read from a compiled (optimised) HLO module.
+
+The ideal roofline (bench.roofline) divides a forward's bytes and FLOPs by the chip's spec peaks. A real H200
+also charges (../reference/gpu_roofline.md has the measurements and the audit these come from):
+- achievable peaks: about 4.3 TB/s for a device-to-device copy and 790 TFLOP/s for a large bf16 GEMM;
+- a floor per kernel: XLA runs a module as a sequence of kernels (fusions, custom calls, copies). Each costs
+  its launch and ramp/tail, 2-3 us on its own, less inside a CUDA graph (XLA captures runs of at least
+  `xla_gpu_graph_min_graph_size` = 5 consecutive kernels into one graph; copies and control flow break a
+  run). Most of a batch-1 forward's ~400 kernels would take under 3 us at roofline speed, so the floors add
+  up to about a millisecond;
+- host syncs: a `while` with no known trip count and every `conditional` are driven from the host. Each
+  iteration copies the predicate (or branch index) to the host and waits for the device to drain: about
+  10-20 us per read;
+- the grouped GEMM's tiles: tokamax's Pallas-Triton ragged_dot tiles each expert's rows from the group's own
+  start (ceil(rows / tile) row tiles per expert: at the batch-1 refresh ~160 rows per expert take 2 tiles of
+  128, 1.6x the routed work) and launches ceil(M / tile) x ceil(N / tile) x G blocks, most of which find no
+  rows and exit (their launch is not free: ~1 us per resident wave);
+- the embedding gather: XLA's cost analysis charges a gather the whole operand (the 644 MB table for 64 rows);
+  a gather reads the rows it looks up.
+
+Everything here is a pure function of the module text and the charges, so a test can check it on a
+hand-written module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Charges:
+  """Per-chip costs of the realistic model. Defaults: the H200 (measured peaks, gpu_roofline.md)."""
+  hbm_bytes_per_s: float = 4.3e12
+  bf16_flops: float = 790e12
+  kernel_us: float = 2.5  # a kernel (or a CUDA graph) launched on its own
+  graph_kernel_us: float = 1.5  # each kernel inside a CUDA graph
+  graph_min_kernels: int = 5  # XLA's xla_gpu_graph_min_graph_size
+  sync_us: float = 15.0  # one device-to-host predicate read (drain + copy + relaunch)
+  tile_rows: int = 128  # tokamax's heuristic ragged_dot tile without autotuning (128x128x32, 4 warps)
+  tile_cols: int = 128
+  empty_wave_us: float = 1.0  # one wave of grid blocks that find no rows and exit
+  resident_blocks: int = 132 * 8  # blocks in flight at once (132 SMs, 8 small blocks each)
+
+  def __post_init__(self):
+    for name in ("hbm_bytes_per_s", "bf16_flops", "tile_rows", "tile_cols", "resident_blocks", "graph_min_kernels"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be positive")
+    for name in ("kernel_us", "graph_kernel_us", "sync_us", "empty_wave_us"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be >= 0")
+
+
+H200 = Charges()
+H100 = dataclasses.replace(H200, hbm_bytes_per_s=3.0e12, bf16_flops=750e12)  # ~90% / ~76% of spec, as the H200
+CHARGES = {"h200": H200, "h100": H100}
+
+# Instructions that launch nothing (views, tuples, constants) or that are control flow (counted apart).
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "iota"}
+_CONTROL = {"while", "conditional", "call"}
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(")
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_BODY = re.compile(r"body=%([\w.\-]+)")
+_COND = re.compile(r"condition=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TO_APPLY = re.compile(r"to_apply=%([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_ARRAY = re.compile(r"\b(pred|s8|u8|f8e4m3fn|f8e5m2|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
+_DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4,
+             "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+_TRITON = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
+
+
+def _arrays(s: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(s)]
+
+
+def _nbytes(arrays) -> int:
+  return sum(_DT_BYTES[dt] * int(np.prod(shape)) for dt, shape in arrays)
+
+
+class Module:
+  """The computations of an optimised HLO module's text, and their instructions in schedule order."""
+
+  def __init__(self, text: str):
+    self.comps: dict[str, list[tuple[str, str, str, str]]] = {}  # name -> [(name, result, op, rest)]
+    self.shapes: dict[str, str] = {}  # instruction name -> its result type (names are unique in a module)
+    self.entry = None
+    cur = None
+    for line in text.splitlines():
+      h = _HEADER.match(line)
+      if h:
+        cur = h.group(2)
+        self.comps[cur] = []
+        if h.group(1):
+          self.entry = cur
+        continue
+      m = _INSTR.match(line)
+      if m and cur is not None:
+        self.comps[cur].append(m.groups())
+        self.shapes[m.group(1)] = m.group(2)
+    if self.entry is None:
+      raise ValueError("HLO module text has no ENTRY computation")
+
+  def operands(self, rest: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The arrays an instruction reads: its operand list (up to the first top-level ')') looked up by name."""
+    depth, end = 0, len(rest)
+    for i, ch in enumerate(rest):
+      if ch in "({":
+        depth += 1
+      elif ch in ")}":
+        if depth == 0:
+          end = i
+          break
+        depth -= 1
+    out = []
+    for name in re.findall(r"%([\w.\-]+)", rest[:end]):
+      out += _arrays(self.shapes.get(name, ""))
+    return out
+
+  def ops_in(self, comp: str) -> set[str]:
+    return {op for _, _, op, _ in self.comps.get(comp, [])}
+
+
+@dataclasses.dataclass
+class Kernels:
+  """Kernel launches of one execution of a computation (loops with a known trip count unrolled in the count).
+
+  graphs: runs of >= graph_min_kernels consecutive kernels (one CUDA graph each); in_graphs: the kernels in
+  them; separate: kernels launched on their own (short runs, copies). by_kind: fusion / custom-call / copy /
+  other."""
+  total: int = 0
+  graphs: int = 0
+  in_graphs: int = 0
+  separate: int = 0
+  by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  def add(self, other: "Kernels", times: int = 1) -> None:
+    self.total += times * other.total
+    self.graphs += times * other.graphs
+    self.in_graphs += times * other.in_graphs
+    self.separate += times * other.separate
+    for k, v in other.by_kind.items():
+      self.by_kind[k] = self.by_kind.get(k, 0) + times * v
+
+  def overhead_s(self, ch: Charges) -> float:
+    """Kernel floors: each graph and each separate kernel pays a launch, each kernel in a graph its own
+    (smaller) floor."""
+    return 1e-6 * ((self.graphs + self.separate) * ch.kernel_us + self.in_graphs * ch.graph_kernel_us)
+
+
+def kernels(mod: Module, ch: Charges, comp: str | None = None) -> Kernels:
+  """Kernels one execution of `comp` (default: the entry) launches. A loop with a known trip count counts its
+  body that many times; a loop without one (or a conditional) counts its body (every branch) once: per
+  iteration figures are the caller's business (host_syncs says how many iterations read the host)."""
+  comp = comp or mod.entry
+  out = Kernels()
+  run = 0
+
+  def close():
+    nonlocal run
+    if run >= ch.graph_min_kernels:
+      out.graphs += 1
+      out.in_graphs += run
+    else:
+      out.separate += run
+    run = 0
+
+  for _, _, op, rest in mod.comps.get(comp, []):
+    if op in _FREE:
+      continue
+    if op in _CONTROL:
+      close()
+      if op == "while":
+        t = _TRIP.search(rest)
+        out.add(kernels(mod, ch, _BODY.search(rest).group(1)), int(t.group(1)) if t else 1)
+      elif op == "conditional":
+        for br in _BRANCHES.search(rest).group(1).split(","):
+          out.add(kernels(mod, ch, br.strip().lstrip("%")))
+      else:
+        m = _TO_APPLY.search(rest)
+        if m:
+          out.add(kernels(mod, ch, m.group(1)))
+      continue
+    kind = op if op in ("fusion", "custom-call", "copy") else "other"
+    out.by_kind[kind] = out.by_kind.get(kind, 0) + 1
+    out.total += 1
+    if kind in ("fusion", "custom-call"):
+      run += 1
+    else:  # copies and unfused ops launch on their own and end a graph
+      close()
+      out.separate += 1
+  close()
+  return out
+
+
+def gather_overcount(mod: Module) -> float:
+  """Bytes XLA's cost analysis charges gathers beyond what they read: a gather fusion is charged its whole
+  operand; it reads about as many bytes as it writes (the looked-up rows)."""
+  extra = 0.0
+  for comp in mod.comps.values():
+    for _, result, op, rest in comp:
+      if op != "fusion":
+        continue
+      called = _CALLS.search(rest)
+      if not called or "gather" not in mod.ops_in(called.group(1)):
+        continue
+      out_bytes = _nbytes(_arrays(result))
+      operand = max((_nbytes([a]) for a in mod.operands(rest)), default=0)
+      if operand > 4 * out_bytes:
+        extra += operand - out_bytes
+  return extra
+
+
+@dataclasses.dataclass
+class GroupedGemm:
+  """tokamax ragged_dot calls: the FLOPs their tiles run beyond the routed ones and the time of the grid
+  blocks that find no rows."""
+  calls: int = 0
+  routed_flops: float = 0.0
+  padded_flops: float = 0.0
+  blocks: int = 0
+  working_blocks: int = 0
+
+  def empty_s(self, ch: Charges) -> float:
+    return 1e-6 * ch.empty_wave_us * (self.blocks - self.working_blocks) / ch.resident_blocks
+
+
+def grouped_gemm_tiles(M: int, K: int, N: int, G: int, ch: Charges) -> dict[str, float]:
+  """One ragged_dot x [M, K] by w [G, K, N] with rows spread evenly over the G groups (routing at random
+  weights, and the expected load of a balanced router): each group's rows are tiled from its own start."""
+  rows = M / G
+  row_tiles = math.ceil(rows / ch.tile_rows) if rows > 0 else 0
+  col_tiles = math.ceil(N / ch.tile_cols)
+  return {"routed_flops": 2.0 * M * K * N, "padded_flops": 2.0 * G * row_tiles * ch.tile_rows * K * N,
+          "blocks": math.ceil(M / ch.tile_rows) * col_tiles * G, "working_blocks": G * row_tiles * col_tiles}
+
+
+def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
+  out = GroupedGemm()
+  for comp in mod.comps.values():
+    for _, result, op, rest in comp:
+      if op != "custom-call" or not _TRITON.search(rest):
+        continue
+      ins = mod.operands(rest)
+      outs = _arrays(result)
+      if len(ins) < 2 or len(ins[0][1]) != 2 or len(ins[1][1]) != 3 or not outs or len(outs[0][1]) != 2:
+        continue
+      (M, K), (G, K2, N) = ins[0][1], ins[1][1]
+      if K != K2 or outs[0][1] != (M, N):
+        continue
+      t = grouped_gemm_tiles(M, K, N, G, ch)
+      out.calls += 1
+      out.routed_flops += t["routed_flops"]
+      out.padded_flops += t["padded_flops"]
+      out.blocks += t["blocks"]
+      out.working_blocks += t["working_blocks"]
+  return out
+
+
+@dataclasses.dataclass
+class Syncs:
+  """Host reads of the generate program: per step (the loop that runs one forward per iteration) and per
+  block (outside it)."""
+  per_step: int
+  per_block: int
+  step_loop_found: bool
+
+
+def host_syncs(mod: Module) -> Syncs:
+  """Counts the predicate reads of the denoising loop as compiled: the innermost data-dependent `while`
+  that holds the forwards is the step loop (its condition: one read per iteration; each conditional in its
+  body: one more); its enclosing loop is the block loop (one read per block, plus the conditionals of the
+  block body outside the step loop). Loops with a known trip count are driven without a read."""
+  def data_loops(comp: str) -> list[tuple[str, str]]:
+    return [(_BODY.search(rest).group(1), _COND.search(rest).group(1))
+            for _, _, op, rest in mod.comps.get(comp, []) if op == "while" and not _TRIP.search(rest)]
+
+  def conditionals(comp: str) -> int:
+    n = 0
+    for _, _, op, rest in mod.comps.get(comp, []):
+      if op == "conditional":
+        n += 1
+      elif op == "call":
+        m = _TO_APPLY.search(rest)
+        n += conditionals(m.group(1)) if m else 0
+    return n
+
+  blocks = data_loops(mod.entry)
+  if not blocks:
+    return Syncs(per_step=0, per_block=0, step_loop_found=False)
+  block_body, _ = blocks[0]
+  steps = data_loops(block_body)
+  if not steps:  # one loop level: every iteration is a step
+    return Syncs(per_step=1 + conditionals(block_body), per_block=0, step_loop_found=True)
+  step_body, _ = steps[0]
+  return Syncs(per_step=1 + conditionals(step_body), per_block=1 + conditionals(block_body) + (len(steps) - 1),
+               step_loop_found=True)
+
+
+def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, Any]:
+  """Realistic time of one forward (or of any straight-line program): the bytes and FLOPs at achievable
+  peaks, corrected for the gather and the grouped GEMM's tiles, plus the kernel floors and the empty grid
+  blocks."""
+  k = kernels(mod, ch)
+  gg = grouped_gemms(mod, ch)
+  nbytes = cost["bytes"] - gather_overcount(mod)
+  flops = cost["flops"] + (gg.padded_flops - gg.routed_flops)
+  body_s = max(nbytes / ch.hbm_bytes_per_s, flops / ch.bf16_flops)
+  overhead = k.overhead_s(ch)
+  empty = gg.empty_s(ch)
+  return {"realistic_s": body_s + overhead + empty, "realistic_bytes": nbytes, "realistic_flops": flops,
+          "kernels": k.total, "graphs": k.graphs, "kernels_in_graphs": k.in_graphs, "separate_launches": k.separate,
+          "kernels_by_kind": dict(k.by_kind), "kernel_overhead_s": overhead, "grouped_gemm_calls": gg.calls,
+          "grouped_gemm_pad_flops": gg.padded_flops - gg.routed_flops, "grouped_gemm_empty_s": empty,
+          "gather_overcount_bytes": cost["bytes"] - nbytes}

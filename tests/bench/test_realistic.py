@@ -1,0 +1,159 @@
+"""The realistic GPU model (bench.realistic) on hand-written modules and hand-worked numbers."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dinfer_jax.bench import realistic, roofline
+
+# A module as XLA prints an optimised one: 6 fusions in a row, a copy, 2 more fusions, a loop with a known trip
+# count of 3 over 2 fusions, and a gather fusion that looks up 4 rows of a [1000, 64] fp32 table.
+_MODULE = """HloModule hand
+
+%fused_a (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %t = f32[8]{0} tanh(%p)
+}
+
+%fused_gather (t: f32[1000,64], i: s32[4]) -> f32[4,64] {
+  %t = f32[1000,64]{1,0} parameter(0)
+  %i = s32[4]{0} parameter(1)
+  ROOT %g = f32[4,64]{1,0} gather(%t, %i), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,64}
+}
+
+%body (c: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%c), index=1
+  %i = s32[] get-tuple-element(%c), index=0
+  %b1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_a
+  %b2 = f32[8]{0} fusion(%b1), kind=kLoop, calls=%fused_a
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %b2)
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[8], t: f32[1000,64], i: s32[4]) -> f32[4,64] {
+  %x = f32[8]{0} parameter(0)
+  %t = f32[1000,64]{1,0} parameter(1)
+  %i = s32[4]{0} parameter(2)
+  %f1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused_a
+  %f2 = f32[8]{0} fusion(%f1), kind=kLoop, calls=%fused_a
+  %f3 = f32[8]{0} fusion(%f2), kind=kLoop, calls=%fused_a
+  %f4 = f32[8]{0} fusion(%f3), kind=kLoop, calls=%fused_a
+  %f5 = f32[8]{0} fusion(%f4), kind=kLoop, calls=%fused_a
+  %f6 = f32[8]{0} fusion(%f5), kind=kLoop, calls=%fused_a
+  %c1 = f32[8]{0} copy(%f6)
+  %f7 = f32[8]{0} fusion(%c1), kind=kLoop, calls=%fused_a
+  %g = f32[4,64]{1,0} fusion(%t, %i), kind=kLoop, calls=%fused_gather
+  %z = s32[] constant(0)
+  %tup = (s32[], f32[8]{0}) tuple(%z, %f7)
+  %w = (s32[], f32[8]{0}) while(%tup), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = f32[4,64]{1,0} copy(%g)
+}
+"""
+
+
+def test_kernels_group_runs_into_cuda_graphs_and_unroll_known_loops():
+  mod = realistic.Module(_MODULE)
+  k = realistic.kernels(mod, realistic.H200)
+  # Entry: 6 fusions (one graph: a run of >= 5), a copy (alone), a run of 2 fusions (f7, the gather: too short
+  # for a graph), the loop body's 2 fusions 3 times (a run of 2 each time), the final copy.
+  assert k.total == 6 + 1 + 2 + 3 * 2 + 1
+  assert (k.graphs, k.in_graphs) == (1, 6)
+  assert k.separate == 1 + 2 + 6 + 1
+  assert k.by_kind == {"fusion": 6 + 2 + 6, "copy": 2}
+  # Each graph and separate kernel: one 2.5 us launch; each kernel in a graph 1.5 us.
+  assert k.overhead_s(realistic.H200) == pytest.approx(1e-6 * ((1 + 10) * 2.5 + 6 * 1.5))
+  # A bigger minimum graph puts the 6 fusions on their own.
+  k7 = realistic.kernels(mod, dataclasses.replace(realistic.H200, graph_min_kernels=7))
+  assert (k7.graphs, k7.separate) == (0, 16)
+
+
+def test_gather_is_charged_the_rows_it_reads():
+  mod = realistic.Module(_MODULE)
+  # Cost analysis charges the gather its [1000, 64] fp32 operand; it reads 4 rows (what it writes).
+  assert realistic.gather_overcount(mod) == 1000 * 64 * 4 - 4 * 64 * 4
+
+
+def test_grouped_gemm_tiles_at_the_batch1_refresh():
+  """LLaDA-MoE-7B-A1B's batch-1 refresh: 1280 tokens x 8 experts = 10240 rows over 64 experts (160 each),
+  gate projection 2048 -> 1024: 2 row tiles of 128 per expert = 1.6x the routed FLOPs, a grid of 80 x 8 x 64
+  blocks of which 64 x 2 x 8 find rows (the audit's 40,960 and 1,024)."""
+  t = realistic.grouped_gemm_tiles(10240, 2048, 1024, 64, realistic.H200)
+  assert t["routed_flops"] == 2 * 10240 * 2048 * 1024
+  assert t["padded_flops"] / t["routed_flops"] == pytest.approx(1.6)
+  assert (t["blocks"], t["working_blocks"]) == (40960, 1024)
+  # 160 rows fit one 256-row tile: no padding beyond 256 / 160.
+  t256 = realistic.grouped_gemm_tiles(10240, 2048, 1024, 64, dataclasses.replace(realistic.H200, tile_rows=256))
+  assert t256["padded_flops"] / t256["routed_flops"] == pytest.approx(1.6)
+  assert t256["blocks"] == 40 * 8 * 64
+
+
+def test_forward_time_adds_the_charges():
+  mod = realistic.Module(_MODULE)
+  ch = realistic.H200
+  cost = {"bytes": 4.3e9 + 1000 * 64 * 4 - 4 * 64 * 4, "flops": 1e9}  # 4.3 GB once the gather is corrected
+  t = realistic.forward_time(cost, mod, ch)
+  k = realistic.kernels(mod, ch)
+  assert t["realistic_bytes"] == pytest.approx(4.3e9)
+  assert t["realistic_s"] == pytest.approx(1e-3 + k.overhead_s(ch))  # 4.3 GB at 4.3 TB/s, memory-bound
+  assert t["kernels"] == 16 and t["grouped_gemm_calls"] == 0
+
+
+def test_host_syncs_of_nested_data_dependent_loops():
+  text = """HloModule loops
+
+%branch_a (p: f32[8]) -> f32[8] {
+  ROOT %p = f32[8]{0} parameter(0)
+}
+
+%step_body (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %i = s32[] constant(0)
+  ROOT %k = f32[8]{0} conditional(%i, %c, %c), branch_computations={%branch_a, %branch_a}
+}
+
+%step_cond (c: f32[8]) -> pred[] {
+  %c = f32[8]{0} parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+%block_body (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  ROOT %w = f32[8]{0} while(%c), condition=%step_cond, body=%step_body
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %w = f32[8]{0} while(%x), condition=%step_cond, body=%block_body
+}
+"""
+  s = realistic.host_syncs(realistic.Module(text))
+  assert (s.per_step, s.per_block, s.step_loop_found) == (2, 1, True)
+
+
+def test_realistic_prediction_by_hand():
+  """tiny preset: G 64, L 16 -> 4 blocks; at TPF 3.2 20 forwards: 4 refreshes + 16 cached (4 per block)."""
+  def row(kind, ideal, real, step):
+    return {"batch": 1, "cache": "dual", "kind": kind, "roofline_ms": ideal, "floor_ms": ideal / 2,
+            "realistic_ms": real, "step_ms": step}
+  rows = [row("refresh", 2.0, 3.0, 0.5), row("cached", 1.0, 1.5, 0.25),
+          {"batch": 1, "cache": "dual", "kind": "generate", "host_syncs_per_step": 2, "host_syncs_per_block": 1}]
+  p = roofline.predict(rows, "tiny", 3.2, realistic.H200)[0]
+  ideal_s = 1e-3 * (4 * 2.0 + 16 * 1.0)
+  assert p["predicted_tps_per_seq"] == pytest.approx(64 / ideal_s)
+  sync = 15e-6
+  real_s = 4 * (3.5e-3 + 2 * sync + sync) + 16 * (1.75e-3 + 2 * sync)
+  assert p["realistic_tps_per_seq"] == pytest.approx(64 / real_s)
+  assert p["host_syncs_per_step"] == 2
+
+
+def test_bad_charges():
+  with pytest.raises(ValueError, match="Charges.hbm_bytes_per_s"):
+    realistic.Charges(hbm_bytes_per_s=0)
+  with pytest.raises(ValueError, match="Charges.sync_us"):
+    realistic.Charges(sync_us=-1)
