@@ -9,8 +9,8 @@ import jax.numpy as jnp
 @flax.struct.dataclass
 class KVCache:
   """k, v: stacked [n_layers, B, S, K, H], or per layer: tuples of n_layers [B, S, K, H] buffers (the
-  engine's layout: a cached forward writes a layer's fresh K/V into its own buffer in place and restores
-  it, where a slice of a stacked array would be copied out first; transformer.forward(keep_cache=True)).
+  engine's layout: a cached forward writes a layer's fresh K/V into its own buffer in place, where a slice
+  of a stacked array would be copied out first; transformer.forward(keep_cache=True)).
   Keys are stored after qk-norm and RoPE for every family (dense LLaDA upstream caches pre-RoPE keys and
   re-rotates them every call; storing rotated keys gives the same attention with absolute positions and
   saves that work)."""

@@ -17,7 +17,8 @@ minutes on an H200, compiles included, so a 15-minute slot has room for a rerun)
 4. the same with dInfer's TPF setting (threshold 0.8 + iteration smoothing + vicinity 16/16/4);
 5. the Python-stepped loop (a jitted forward per step, a host sync per step) on the batch-1 generation:
    the engine's speedup over it;
-6. batch 8: the forwards and the whole generate.
+6. (GPU) item 3 with the host-driven loop (DINFER_JAX_DEVICE_LOOP=0) beside the device-driven one;
+7. batch 8: the forwards and the whole generate.
 Random weights decode about one token per forward, so the generate rows say forwards per second and the
 prediction at the measured forward counts, not the trained model's tokens per second (tps_at_3.87_tpf is
 forwards/s x 3.87 per sequence).
@@ -302,6 +303,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       out["predicted_ideal_s"], out["predicted_realistic_s"] = p["ideal_s"], p["realistic_s"]
     return out
 
+  def host_loop_item():
+    """generate_b1_threshold again with the host-driven loop (DINFER_JAX_DEVICE_LOOP=0: one predicate read per
+    step instead of CUDA-graph conditional nodes): what the device loop is worth, or whether it runs at all."""
+    from dinfer_jax.engine import loop
+    saved = os.environ.get("DINFER_JAX_DEVICE_LOOP")
+    os.environ["DINFER_JAX_DEVICE_LOOP"] = "0"
+    loop.run_jit.cache_clear()
+    try:
+      out = gen_item(1, "threshold")
+    finally:
+      if saved is None:
+        os.environ.pop("DINFER_JAX_DEVICE_LOOP", None)
+      else:
+        os.environ["DINFER_JAX_DEVICE_LOOP"] = saved
+      loop.run_jit.cache_clear()
+    dev = ck.res["items"].get("generate_b1_threshold")
+    if dev:
+      out["device_loop_speedup"] = out["generate_s"] / dev["generate_s"]
+    return out
+
   def stepped_item():
     prompt = _prompts(cfg, 1, P)[0]
     out = time_stepped(params, cfg, prompt, gcfgs["threshold"])
@@ -316,6 +337,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   ck.item("generate_b1_threshold", 90 * scale, lambda: gen_item(1, "threshold"))
   ck.item("generate_b1_dinfer", 90 * scale, lambda: gen_item(1, "dinfer"))
   ck.item("stepped_b1_threshold", 45 * scale, stepped_item)
+  if ck.res["env"]["backend"] == "gpu":
+    ck.item("generate_b1_threshold_host_loop", 60 * scale, host_loop_item)
   if 8 in args.batches:
     ck.item("forwards_b8", 45 * scale, lambda: fwd_item(8))
     ck.item("generate_b8_threshold", 90 * scale, lambda: gen_item(8, "threshold"))
@@ -351,6 +374,11 @@ def markdown(res: dict[str, Any]) -> str:
       lines.append(f"| {name[len('generate_'):]} | {r['generate_s']:.3f} | {_f(r.get('predicted_ideal_s'), 3)} "
                    f"| {_f(r.get('predicted_realistic_s'), 3)} | {r['nfe']} ({r['n_full']} + {r['n_cached']}) "
                    f"| {r['fwd_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['tps_at_3.87_tpf']:.0f} | {r['compile_s']:.1f} |")
+    lines.append("")
+  hl = items.get("generate_b1_threshold_host_loop")
+  if hl and "device_loop_speedup" in hl:
+    lines.append(f"Device-driven loop (CUDA-graph conditionals) vs host-driven (DINFER_JAX_DEVICE_LOOP=0), batch 1: "
+                 f"{hl['device_loop_speedup']:.3f}x")
     lines.append("")
   st = items.get("stepped_b1_threshold")
   if st:

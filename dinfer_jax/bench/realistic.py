@@ -69,6 +69,7 @@ _BODY = re.compile(r"body=%([\w.\-]+)")
 _COND = re.compile(r"condition=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TO_APPLY = re.compile(r"to_apply=%([\w.\-]+)")
+_TRUE_FALSE = re.compile(r"true_computation=%([\w.\-]+), false_computation=%([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _ARRAY = re.compile(r"\b(pred|s8|u8|f8e4m3fn|f8e5m2|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
 _DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4,
@@ -154,6 +155,14 @@ class Kernels:
     return 1e-6 * ((self.graphs + self.separate) * ch.kernel_us + self.in_graphs * ch.graph_kernel_us)
 
 
+def branches(rest: str) -> list[str]:
+  """The branch computations of a conditional (an index's branch_computations or a predicate's pair)."""
+  m = _BRANCHES.search(rest)
+  if m:
+    return [b.strip().lstrip("%") for b in m.group(1).split(",")]
+  return list(_TRUE_FALSE.search(rest).groups())
+
+
 def kernels(mod: Module, ch: Charges, comp: str | None = None) -> Kernels:
   """Kernels one execution of `comp` (default: the entry) launches. A loop with a known trip count counts its
   body that many times; a loop without one (or a conditional) counts its body (every branch) once: per
@@ -180,8 +189,8 @@ def kernels(mod: Module, ch: Charges, comp: str | None = None) -> Kernels:
         t = _TRIP.search(rest)
         out.add(kernels(mod, ch, _BODY.search(rest).group(1)), int(t.group(1)) if t else 1)
       elif op == "conditional":
-        for br in _BRANCHES.search(rest).group(1).split(","):
-          out.add(kernels(mod, ch, br.strip().lstrip("%")))
+        for br in branches(rest):
+          out.add(kernels(mod, ch, br))
       else:
         m = _TO_APPLY.search(rest)
         if m:
@@ -266,41 +275,53 @@ def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
 @dataclasses.dataclass
 class Syncs:
   """Host reads of the generate program: per step (the loop that runs one forward per iteration) and per
-  block (outside it)."""
+  block (outside it), on the path a block takes when its forwards are known ahead (the common one: the
+  fewest reads per step); per_step_max: the most of any step loop (e.g. the vicinity warm-up's blocks)."""
   per_step: int
   per_block: int
-  step_loop_found: bool
+  per_step_max: int
+  step_loops: int
 
 
 def host_syncs(mod: Module) -> Syncs:
-  """Counts the predicate reads of the denoising loop as compiled: the innermost data-dependent `while`
-  that holds the forwards is the step loop (its condition: one read per iteration; each conditional in its
-  body: one more); its enclosing loop is the block loop (one read per block, plus the conditionals of the
-  block body outside the step loop). Loops with a known trip count are driven without a read."""
-  def data_loops(comp: str) -> list[tuple[str, str]]:
-    return [(_BODY.search(rest).group(1), _COND.search(rest).group(1))
-            for _, _, op, rest in mod.comps.get(comp, []) if op == "while" and not _TRIP.search(rest)]
+  """Counts the predicate reads of the denoising loop as compiled. The block loop is the entry's
+  data-dependent `while` (one read per block); step loops are the data-dependent whiles inside its body,
+  directly or under conditionals (one read per iteration, plus one per conditional in the step body). A
+  block's reads outside its steps: every conditional of each computation on the path from the block body to
+  its step loop. Loops with a known trip count are driven without a read."""
+  def whiles(comp: str) -> list[str]:
+    return [_BODY.search(rest).group(1) for _, _, op, rest in mod.comps.get(comp, [])
+            if op == "while" and not _TRIP.search(rest)]
 
-  def conditionals(comp: str) -> int:
-    n = 0
+  def conds(comp: str) -> list[list[str]]:
+    return [branches(rest) for _, _, op, rest in mod.comps.get(comp, []) if op == "conditional"]
+
+  def in_body(comp: str) -> int:  # reads per step inside a step body (conditionals, through calls)
+    n = len(conds(comp))
     for _, _, op, rest in mod.comps.get(comp, []):
-      if op == "conditional":
-        n += 1
-      elif op == "call":
-        m = _TO_APPLY.search(rest)
-        n += conditionals(m.group(1)) if m else 0
+      if op == "call" and _TO_APPLY.search(rest):
+        n += in_body(_TO_APPLY.search(rest).group(1))
     return n
 
-  blocks = data_loops(mod.entry)
+  def step_loops(comp: str, above: int) -> list[tuple[int, int]]:  # [(per_step, per_block_without_block_cond)]
+    # Every loop of a computation reads its condition at least once per block, even one that runs no step.
+    here = above + len(conds(comp)) + max(0, len(whiles(comp)) - 1)
+    out = [(1 + in_body(body), here) for body in whiles(comp)]
+    for branches in conds(comp):
+      for br in branches:
+        out += step_loops(br, here)
+    return out
+
+  blocks = whiles(mod.entry)
   if not blocks:
-    return Syncs(per_step=0, per_block=0, step_loop_found=False)
-  block_body, _ = blocks[0]
-  steps = data_loops(block_body)
-  if not steps:  # one loop level: every iteration is a step
-    return Syncs(per_step=1 + conditionals(block_body), per_block=0, step_loop_found=True)
-  step_body, _ = steps[0]
-  return Syncs(per_step=1 + conditionals(step_body), per_block=1 + conditionals(block_body) + (len(steps) - 1),
-               step_loop_found=True)
+    return Syncs(per_step=0, per_block=0, per_step_max=0, step_loops=0)
+  loops = step_loops(blocks[0], 0)
+  if not loops:  # one loop level: every iteration is a step
+    n = 1 + in_body(blocks[0])
+    return Syncs(per_step=n, per_block=0, per_step_max=n, step_loops=1)
+  per_step, per_block = min(loops)
+  return Syncs(per_step=per_step, per_block=1 + per_block, per_step_max=max(p for p, _ in loops),
+               step_loops=len(loops))
 
 
 def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, Any]:

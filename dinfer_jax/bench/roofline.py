@@ -129,10 +129,11 @@ class Target:
       return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.sharding)
     return jax.tree_util.tree_map(one, tree)
 
-  def compile(self, fn, *args, static: dict | None = None, donate=()):
+  def compile(self, fn, *args, static: dict | None = None, donate=(), options: dict | None = None):
     with moe.target_backend(self.backend), deviceless_tokamax(self.kind == "cuda"):
       t = time.perf_counter()
-      jf = jax.jit(fn, static_argnames=tuple(static or ()), donate_argnums=donate if self.kind == "cuda" else ())
+      jf = jax.jit(fn, static_argnames=tuple(static or ()), donate_argnums=donate if self.kind == "cuda" else (),
+                   compiler_options=options or None)
       compiled = jf.lower(*args, **(static or {})).compile()
       return compiled, time.perf_counter() - t
 
@@ -399,14 +400,25 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     })
   if with_generate:
     args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
-    compiled, compile_s = target.compile(loop.run, aparams, *target.abstract(args), static=static, donate=(1,))
+    # The engine's own compile options for the target (loop.compiler_options: on GPU the device-driven loop).
+    options = loop.compiler_options(target.backend)
+    compiled, compile_s = target.compile(loop.run, aparams, *target.abstract(args), static=static, donate=(1,),
+                                         options=options)
     text = compiled_text(compiled)
     mc = ModuleCost(text)
     syncs = realistic.host_syncs(realistic.Module(text))
+    # With WHILE and CONDITIONAL command buffers XLA runs the loops and conditionals as CUDA-graph conditional
+    # nodes (captured when the executable loads on a GPU: a deviceless compile cannot show it), unless the loop
+    # calls the host.
+    commands = set(options.get("xla_gpu_enable_command_buffer", "").split(","))
+    device_loop = {"WHILE", "CONDITIONAL"} <= commands and mc.host_ops == 0
     rows.append({"preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch,
                  "cache": cache, "kind": "generate", "tokens": Tc, **memory(compiled), "host_ops": mc.host_ops,
                  "while_loops": sum(len(mc._loops(c)) for c in mc.comps), "compile_s": compile_s, "setting": setting,
-                 "host_syncs_per_step": syncs.per_step, "host_syncs_per_block": syncs.per_block})
+                 "device_loop": device_loop, "host_syncs_per_step": 0 if device_loop else syncs.per_step,
+                 "host_syncs_per_block": 0 if device_loop else syncs.per_block,
+                 "host_driven_syncs_per_step": syncs.per_step, "host_driven_syncs_per_block": syncs.per_block,
+                 "host_driven_syncs_per_step_max": syncs.per_step_max})
   return rows
 
 
@@ -499,7 +511,8 @@ def _line(r: dict[str, Any]) -> str:
   if r["kind"] == "generate":
     return (f"{r['chip']} b{r['batch']} {r['cache']} generate: temp {r['temp_bytes'] / 1e9:.2f} GB, "
             f"host ops {r['host_ops']}, host syncs {r['host_syncs_per_step']} per step + {r['host_syncs_per_block']} "
-            f"per block, compile {r['compile_s']:.1f} s")
+            f"per block (device loop {r['device_loop']}; host-driven {r['host_driven_syncs_per_step']} + "
+            f"{r['host_driven_syncs_per_block']}), compile {r['compile_s']:.1f} s")
   return (f"{r['chip']} b{r['batch']} {r['cache']} {r['kind']} ({r['moe_impl']}): {r['flops'] / 1e12:.2f} TFLOP, "
           f"{r['bytes'] / 1e9:.2f} GB (floor {r['floor_bytes'] / 1e9:.2f}, x{r['bytes_over_floor']:.2f}), "
           f"{r['roofline_ms']:.2f} ms ideal, {r['realistic_ms']:.2f} ms realistic ({r['kernels']} kernels) + "
@@ -527,12 +540,13 @@ def markdown(res: dict[str, Any]) -> str:
                  f"{r['separate_launches']}) | {r['realistic_bytes'] / 1e9:.2f} | {r['realistic_flops'] / 1e12:.3f} "
                  f"| {r['grouped_gemm_pad_flops'] / 1e12:.3f} | {r['kernel_overhead_s'] * 1e3:.2f} "
                  f"| {r['grouped_gemm_empty_s'] * 1e3:.2f} | {r['realistic_ms']:.2f} | {r['step_ms']:.2f} ({r['step_kernels']}) |")
-  lines += ["", "| chip | batch | cache | generate program temp GB | host transfers | host syncs per step / per block "
-            "| compile s |", "|---|---|---|---|---|---|---|"]
+  lines += ["", "| chip | batch | cache | generate program temp GB | host transfers | device loop | host syncs per step "
+            "/ per block | host-driven: per step / per block | compile s |", "|---|---|---|---|---|---|---|---|---|"]
   for r in res["rows"]:
     if r["kind"] == "generate":
       lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r['temp_bytes'] / 1e9:.3f} | {r['host_ops']} "
-                   f"| {r['host_syncs_per_step']} / {r['host_syncs_per_block']} | {r['compile_s']:.1f} |")
+                   f"| {r['device_loop']} | {r['host_syncs_per_step']} / {r['host_syncs_per_block']} "
+                   f"| {r['host_driven_syncs_per_step']} / {r['host_driven_syncs_per_block']} | {r['compile_s']:.1f} |")
   lines += ["", f"Setting {res['setting']}, TPF {res['tpf']}:", "",
             "| chip | batch | cache | ideal TPS per seq | ideal aggregate | realistic TPS per seq | realistic aggregate "
             "| floor TPS per seq |", "|---|---|---|---|---|---|---|---|"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from typing import Any
 
 import jax
@@ -189,9 +190,13 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
 
   def window_forward(st, s, c0, width, key_mask, write):
     """Forward of the canvas window [c0, c0 + width) over the cache; fresh K/V where `write`. Prefix and
-    dual caches keep their block-entry K/V: the forward writes the window's K/V into the cache buffers in
-    place and restores them (out.kv is the cache, to carry on instead of st["cache"]); block diffusion gets
-    the attended K/V to persist."""
+    dual caches: the forward writes the window's fresh K/V into the cache buffers in place (out.kv is the
+    cache, to carry on instead of st["cache"]). Nothing reads those slots before they are written again:
+    every cached forward of the block rewrites the same [lo, hi) before attending, and the next block's
+    refresh rewrites the whole cache (rows that sit a step out, or run full warm-up forwards, refresh before
+    their next cached forward). So the cache attended to equals dInfer's block-entry cache with the window
+    replaced, as before, without putting the old slots back (4 fewer kernels per layer). Block diffusion
+    gets the attended K/V to persist."""
     if smoothing:
       inp = {"embeds": slice_rows(st["emb"], c0, width)}
       lg = {}
@@ -252,7 +257,7 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
       out = window_forward(st, s, c0, W, key_mask, write)
       if mode == "block_diffusion":
         return out.logits, cache_lib.select_rows(rows_persist, out.kv, st["cache"]), c0, write
-      return out.logits, out.kv, c0, write  # the cache, restored in place
+      return out.logits, out.kv, c0, write  # the cache, updated in place
 
     def has_masks(cv):
       return (blk(cv) == mask_id).any(axis=1) & ~st["done"]
@@ -263,7 +268,10 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
       # loop that never ends would hang the whole program with no way to interrupt it.
       return (has_masks(b["canvas"]) | b["forced"] | b["final"]).any() & (b["iters"] < max_iters)
 
-    def step_body(b):
+    def step_body(b, branch=None):
+      """One iteration. branch: None picks the forwards at run time (a lax.switch over every combination the
+      rows may need); (do_full, cached) runs that one combination, for an iteration where the caller knows
+      what every active row takes (no conditional: on GPU each conditional's index is read by the host)."""
       masks_before = has_masks(b["canvas"])
       active = masks_before | b["forced"] | b["final"]
       phase = cache_lib.row_phase(cache_mode=mode, vicinity_warmup=warmup, n=b["n"], refreshed=b["refreshed"])
@@ -313,7 +321,7 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
         idx = idx + use_full.any().astype(jnp.int32) * len(cacheds)
       if can_cached:
         idx = idx + jnp.where(use_cached.any(), 1 + (win if windowed else 0), 0).astype(jnp.int32)
-      outs = jax.lax.switch(idx, branches, b)
+      outs = jax.lax.switch(idx, branches, b) if branch is None else run_forwards(*branch)(b)
       if can_cached:
         full_logits, _, cached_logits, c0, write = outs
         nb["cache"] = outs[1]
@@ -379,7 +387,28 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
                                 jnp.where(active & ~masks_before, False, b["final"]))
       return _constrain(nb)
 
-    bst = jax.lax.while_loop(step_cond, step_body, bst)
+    def loop(b, branch=None):
+      return jax.lax.while_loop(step_cond, functools.partial(step_body, branch=branch), b)
+
+    if mode == "block_diffusion":
+      bst = loop(bst)
+    elif not cached_mode:  # no cache: every iteration is a full forward
+      bst = loop(bst, branch=(True, None))
+    else:
+      # Block entry: no row has a fresh cache yet, so every active row's first forward is a full one (the
+      # refresh, or a warm-up forward). Then every iteration is the cached forward, except while some row is
+      # still in the vicinity warm-up (its first warmup_steps forwards are full, then it refreshes): those
+      # iterations pick per step. Sequential loops, not a conditional around them (XLA copies every cache
+      # buffer into a conditional whose branches update it). Host-driven, one predicate read per step (the
+      # loop's condition) instead of two; the prefix cache's narrowing windows keep their per-step switch.
+      bst = jax.lax.cond(step_cond(bst), functools.partial(step_body, branch=(True, None)), lambda x: x, bst)
+      if warmup:
+        def mixed(b):
+          active = has_masks(b["canvas"]) | b["forced"]
+          return (active & ((b["n"] < warmup) | ~b["refreshed"])).any()
+        bst = jax.lax.while_loop(lambda b: step_cond(b) & mixed(b), step_body, bst)
+      bst = loop(bst, branch=None if windowed else (False, 0))
+
     out = {k: bst[k] for k in st}
     # Early stop: an EOS anywhere in the finished block fills the rest of the row with EOS and ends it.
     cv = out["canvas"]
@@ -419,10 +448,27 @@ def _emit_block(stream_id, block, canvas) -> None:
     fn(int(block), np.asarray(canvas))
 
 
+# XLA's GPU command buffers (CUDA graphs) hold the kinds of thunks listed; with WHILE and CONDITIONAL they also
+# hold the denoising loop's while loops and its per-block conditionals, as CUDA-graph conditional nodes (CUDA
+# >= 12.3): the loop's control then stays on the device, with no predicate read by the host per step. The
+# other kinds are XLA's defaults for one GPU.
+DEVICE_LOOP_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+
+
+def compiler_options(backend: str | None = None) -> dict[str, str]:
+  """XLA options of the engine's programs on `backend` (default: the running one): on GPU the device-driven
+  loop (DEVICE_LOOP_COMMANDS) unless DINFER_JAX_DEVICE_LOOP=0 (the host-driven loop: one predicate read per
+  step). A loop that calls the host (streaming's callback) stays host-driven either way."""
+  backend = backend or jax.default_backend()
+  if backend != "gpu" or os.environ.get("DINFER_JAX_DEVICE_LOOP", "1") == "0":
+    return {}
+  return {"xla_gpu_enable_command_buffer": DEVICE_LOOP_COMMANDS}
+
+
 @functools.cache
 def run_jit():
   """The compiled entry point. The canvas buffer is rebuilt on the host for every call and the result has
   its shape: donating it lets XLA write the output canvas in place instead of allocating a second [B, Tc]
   buffer. (CPU ignores donation and would warn, so only accelerators donate.)"""
   donate = (1,) if jax.default_backend() != "cpu" else ()
-  return jax.jit(run, static_argnames=STATIC, donate_argnums=donate)
+  return jax.jit(run, static_argnames=STATIC, donate_argnums=donate, compiler_options=compiler_options() or None)

@@ -72,7 +72,8 @@ def step_jit():
   """The step program. The state is donated on accelerators (each call replaces it in place); CPU ignores
   donation."""
   donate = (1,) if jax.default_backend() != "cpu" else ()
-  return jax.jit(step_first, static_argnames=STEP_STATIC + ("rows",), donate_argnums=donate)
+  return jax.jit(step_first, static_argnames=STEP_STATIC + ("rows",), donate_argnums=donate,
+                 compiler_options=loop.compiler_options() or None)
 
 
 def regroup(st: dict[str, jax.Array], src: jax.Array, fresh: dict[str, jax.Array],

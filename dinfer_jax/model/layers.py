@@ -55,3 +55,15 @@ def update_rows(a: jax.Array, update: jax.Array, start: jax.Array | int, axis: i
   if jnp.ndim(start) == 0:
     return jax.lax.dynamic_update_slice_in_dim(a, update, start, axis=axis)
   return jax.vmap(lambda r, u, s: jax.lax.dynamic_update_slice_in_dim(r, u, s, axis=axis - 1))(a, update, start)
+
+
+def write_rows(a: jax.Array, update: jax.Array, start: jax.Array | int, where: jax.Array) -> jax.Array:
+  """a [B, S, ...] with update [B, T, ...] written at [start, start + T) along axis 1 only where `where`
+  [B, T] (start a scalar or [B]). A scatter that drops the masked slots: the slots it keeps are never read,
+  so XLA can write a buffer in place (a select against the old slots reads the buffer it writes and
+  copies it)."""
+  B, T = where.shape
+  S = a.shape[1]
+  cols = jnp.reshape(start, (-1, 1)) + jnp.arange(T)[None, :]
+  cols = jnp.where(where, cols, S)  # out of bounds: dropped
+  return a.at[jnp.arange(B)[:, None], cols].set(update, mode="drop")

@@ -17,19 +17,20 @@ from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import moe as moe_lib
 from dinfer_jax.model.attention import attention, attention_mask
-from dinfer_jax.model.layers import rms_norm, rope, slice_rows, swiglu, update_rows
+from dinfer_jax.model.layers import rms_norm, rope, slice_rows, swiglu, update_rows, write_rows
 from dinfer_jax.sharding import shard
 
 
 class ForwardOut(NamedTuple):
   logits: jax.Array  # [B, T', V] fp32
-  kv: KVCache  # stacked [n_layers, B, S, K, H] or per layer: the K/V attended to (keep_cache: the cache)
+  kv: KVCache  # stacked [n_layers, B, S, K, H] or per layer: the K/V attended to (keep_cache: the cache,
+  # its window slots rewritten)
 
 
 def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_start, write_mask, moe_impl,
-           restore: bool = False):
-  """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None. restore: write the fresh K/V into
-  kv_in's buffers in place and put the overwritten slots back after attention (returns kv_in's values)."""
+           in_place: bool = False):
+  """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None. in_place: the fresh K/V go into
+  kv_in's buffers (where write_mask) and those buffers come back, in the cache dtype."""
   dt = x.dtype
   h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
   q = jnp.einsum("BTD,DNH->BTNH", h, lp["q"].astype(dt))
@@ -47,27 +48,15 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_
   else:
     ck, cv = kv_in
     T = x.shape[1]
-    old_k = slice_rows(ck, cache_start, T)
-    old_v = slice_rows(cv, cache_start, T)
-    if restore:
-      # The overwritten slots must be read into their own buffers before the in-place write: XLA would
-      # otherwise fuse the slice into the restoring update, keep the whole buffer live across the write
-      # and copy it (the copy this path exists to avoid).
-      old_k, old_v, ck, cv = jax.lax.optimization_barrier((old_k, old_v, ck, cv))
     if write_mask is not None:
       # Positions outside the write mask keep the cached K/V: the engine runs fixed-width windows and
       # this keeps the attended key set identical to dInfer's variable-width one.
-      wm = write_mask[:, :, None, None]
-      k = jnp.where(wm, k, old_k.astype(dt))
-      v = jnp.where(wm, v, old_v.astype(dt))
-    keys = update_rows(ck, k.astype(ck.dtype), cache_start)
-    vals = update_rows(cv, v.astype(cv.dtype), cache_start)
+      keys = write_rows(ck, k.astype(ck.dtype), cache_start, write_mask)
+      vals = write_rows(cv, v.astype(cv.dtype), cache_start, write_mask)
+    else:
+      keys = update_rows(ck, k.astype(ck.dtype), cache_start)
+      vals = update_rows(cv, v.astype(cv.dtype), cache_start)
   a = attention(q, keys.astype(dt), vals.astype(dt), mask)
-  if restore:
-    # Attention has read the buffers before they are restored (in place again).
-    a, keys, vals = jax.lax.optimization_barrier((a, keys, vals))
-    keys = update_rows(keys, old_k, cache_start)
-    vals = update_rows(vals, old_v, cache_start)
   x = x + jnp.einsum("BTNH,NHD->BTD", a, lp["o"].astype(dt))
   h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
   if moe:
@@ -75,8 +64,9 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_
   else:
     y = swiglu(h, lp["mlp"]["gate"], lp["mlp"]["up"], lp["mlp"]["down"])
   x = shard(x + y, ("act_batch", "act_len", "act_embed"))
-  # Restored buffers go back as the cache holds them; otherwise the K/V attended to, in the activation dtype.
-  return x, (keys, vals) if restore else (keys.astype(dt), vals.astype(dt))
+  # In place: the cache's own buffers go back as it holds them; otherwise the K/V attended to, in the
+  # activation dtype.
+  return x, (keys, vals) if in_place else (keys.astype(dt), vals.astype(dt))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
@@ -109,10 +99,11 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     kv_layers: return the K/V per layer (tuples of [B, S, K, H], the engine's cache layout); default
       stacked. A per-layer `cache` implies it.
     keep_cache: with a per-layer `cache`: each layer writes its fresh K/V into the cache's own buffer in
-      place, attends, and restores the slots it overwrote, so the returned kv is the input cache, value for
-      value, and no [B, S, K, H] buffer is copied (a slice-and-update of a cache that stays live copies it
-      whole: 0.34 GB of a 7B-A1B batch-1 cached forward, 2.7 GB at batch 8). The caller must use the
-      returned kv in place of the input (donate the input, or carry it in a loop).
+      place (where write_mask) and the returned kv is that cache, so no [B, S, K, H] buffer is copied (a
+      slice-and-update of a cache that stays live copies it whole: 0.34 GB of a 7B-A1B batch-1 cached
+      forward, 2.7 GB at batch 8). The caller must use the returned kv in place of the input (donate the
+      input, or carry it in a loop). The written slots are not put back: the engine's cached forwards
+      rewrite the same slots before every read until the next refresh rewrites them all (engine.loop).
   Returns:
     ForwardOut(logits [B, T', V] fp32, kv of every layer: what the forward attended to, or with
     keep_cache the cache it was given).
@@ -144,7 +135,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     kv_in = None if cache is None else (cache.k[start:start + n], cache.v[start:start + n])
     body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, mask=amask,
                              cache_start=cache_start, write_mask=write_mask, moe_impl=moe_impl,
-                             restore=keep_cache)
+                             in_place=keep_cache)
     if remat:
       body = jax.checkpoint(body)
     if isinstance(params[name], (list, tuple)):

@@ -133,7 +133,59 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 }
 """
   s = realistic.host_syncs(realistic.Module(text))
-  assert (s.per_step, s.per_block, s.step_loop_found) == (2, 1, True)
+  assert (s.per_step, s.per_block, s.per_step_max, s.step_loops) == (2, 1, 2, 1)
+
+
+def test_host_syncs_take_the_path_of_a_block_whose_forwards_are_known():
+  """The loop as engine.loop compiles it with a vicinity warm-up: the block body picks (1 read) the warm-up
+  loop (a switch per step: 2 reads) or the known path: a refresh under a conditional (1 read), then the
+  cached loop (1 read per step)."""
+  text = """HloModule loops
+
+%fwd (p: f32[8]) -> f32[8] {
+  ROOT %p = f32[8]{0} parameter(0)
+}
+
+%c (c: f32[8]) -> pred[] {
+  %c = f32[8]{0} parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+%switch_body (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %i = s32[] constant(0)
+  ROOT %k = f32[8]{0} conditional(%i, %c, %c), branch_computations={%fwd, %fwd}
+}
+
+%cached_body (c: f32[8]) -> f32[8] {
+  ROOT %c = f32[8]{0} parameter(0)
+}
+
+%warming (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  ROOT %w = f32[8]{0} while(%c), condition=%c, body=%switch_body
+}
+
+%known (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %t = pred[] constant(true)
+  %r = f32[8]{0} conditional(%t, %c, %c), branch_computations={%fwd, %fwd}
+  ROOT %w = f32[8]{0} while(%r), condition=%c, body=%cached_body
+}
+
+%block_body (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %t = pred[] constant(true)
+  ROOT %k = f32[8]{0} conditional(%t, %c, %c), branch_computations={%warming, %known}
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %w = f32[8]{0} while(%x), condition=%c, body=%block_body
+}
+"""
+  s = realistic.host_syncs(realistic.Module(text))
+  assert (s.per_step, s.per_block, s.per_step_max, s.step_loops) == (1, 3, 2, 2)
 
 
 def test_realistic_prediction_by_hand():

@@ -93,4 +93,27 @@ def test_tiny_preset_deviceless_cuda(tmp_path):
   assert 0 < res["realistic_tps_batch1"] < res["predicted_tps_batch1"]
   assert res["kernels_per_cached_forward_batch1"] == rows["cached"]["kernels"] > 0
   assert rows["cached"]["realistic_ms"] > rows["cached"]["roofline_ms"] and rows["cached"]["step_ms"] > 0
-  assert res["host_syncs_per_step"] == rows["generate"]["host_syncs_per_step"] >= 0
+  # The engine compiles its loop device-driven on GPU (loop.compiler_options): no host read per step; the same
+  # program driven from the host reads one predicate per step (the step loop's condition) and a few per block.
+  g = rows["generate"]
+  assert g["device_loop"] and res["host_syncs_per_step"] == g["host_syncs_per_step"] == 0
+  assert g["host_driven_syncs_per_step"] == 1 and 1 <= g["host_driven_syncs_per_block"] <= 3
+
+
+@pytest.mark.skipif(not roofline.cuda_plugin_available(), reason="needs the CUDA plugin (pip install jax[cuda12])")
+def test_device_loop_options_reach_the_compiled_module(tmp_path, monkeypatch):
+  """XLA takes the engine's command-buffer option (WHILE, CONDITIONAL) for the compiled module: its dumped
+  debug options list them; DINFER_JAX_DEVICE_LOOP=0 compiles without."""
+  from dinfer_jax.engine import loop
+  target = roofline.Target("cuda", roofline.CHIPS["h200"])
+
+  def loop_fn(x):
+    return jax.lax.while_loop(lambda c: c.sum() < 100.0, lambda c: c * 2.0 + 1.0, x)
+  args = target.abstract((jnp.ones((8,), jnp.float32),))
+  for env, expect in (("1", True), ("0", False)):
+    monkeypatch.setenv("DINFER_JAX_DEVICE_LOOP", env)
+    dump = tmp_path / env
+    opts = dict(loop.compiler_options("gpu"), xla_dump_to=str(dump))
+    target.compile(loop_fn, *args, options=opts)
+    text = "".join(p.read_text() for p in dump.glob("*debug_options*"))
+    assert ("xla_gpu_enable_command_buffer: WHILE" in text and "xla_gpu_enable_command_buffer: CONDITIONAL" in text) == expect
