@@ -16,7 +16,8 @@ also charges (../reference/gpu_roofline.md has the measurements and the audit th
   128, 1.6x the routed work) and launches ceil(M / tile) x ceil(N / tile) x G blocks, most of which find no
   rows and exit (their launch is not free: ~1 us per resident wave);
 - the embedding gather: XLA's cost analysis charges a gather the whole operand (the 644 MB table for 64 rows);
-  a gather reads the rows it looks up.
+  a gather reads the rows it looks up. Likewise an in-place scatter (the cached forward's K/V write) is charged
+  its whole buffer read and written; it touches the slots it writes.
 
 Everything here is a pure function of the module text and the charges, so a test can check it on a
 hand-written module.
@@ -24,11 +25,12 @@ hand-written module.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any
 
 import numpy as np
+
+from dinfer_jax.model import moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +42,16 @@ class Charges:
   graph_kernel_us: float = 1.5  # each kernel inside a CUDA graph
   graph_min_kernels: int = 5  # XLA's xla_gpu_graph_min_graph_size
   sync_us: float = 15.0  # one device-to-host predicate read (drain + copy + relaunch)
-  tile_rows: int = 128  # tokamax's heuristic ragged_dot tile without autotuning (128x128x32, 4 warps)
+  tile_rows: int = 0  # grouped GEMM row tile: 0 = the engine's choice per shape (moe.grouped_block_m)
   tile_cols: int = 128
   empty_wave_us: float = 1.0  # one wave of grid blocks that find no rows and exit
   resident_blocks: int = 132 * 8  # blocks in flight at once (132 SMs, 8 small blocks each)
 
   def __post_init__(self):
-    for name in ("hbm_bytes_per_s", "bf16_flops", "tile_rows", "tile_cols", "resident_blocks", "graph_min_kernels"):
+    for name in ("hbm_bytes_per_s", "bf16_flops", "tile_cols", "resident_blocks", "graph_min_kernels"):
       if getattr(self, name) <= 0:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be positive")
-    for name in ("kernel_us", "graph_kernel_us", "sync_us", "empty_wave_us"):
+    for name in ("kernel_us", "graph_kernel_us", "sync_us", "empty_wave_us", "tile_rows"):
       if getattr(self, name) < 0:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be >= 0")
 
@@ -226,6 +228,29 @@ def gather_overcount(mod: Module) -> float:
   return extra
 
 
+def scatter_overcount(mod: Module) -> float:
+  """Bytes XLA's cost analysis charges in-place scatters beyond what they touch: a scatter fusion whose result
+  has its buffer operand's shape (the K/V cache written in place) is charged the whole buffer read and
+  written; it reads its other operands (the updates, or what it computes them from) and writes at most as many
+  bytes into the buffer."""
+  extra = 0.0
+  for comp in mod.comps.values():
+    for _, result, op, rest in comp:
+      if op != "fusion":
+        continue
+      called = _CALLS.search(rest)
+      if not called or "scatter" not in mod.ops_in(called.group(1)):
+        continue
+      outs = _arrays(result)
+      ins = mod.operands(rest)
+      if len(outs) != 1 or outs[0] not in ins:
+        continue
+      buf = _nbytes(outs)
+      others = _nbytes(ins) - buf  # read either way (updates, indices, what the fusion computes them from)
+      extra += 2 * buf - min(others, buf)  # charged: buffer read + written; touched: about `others` written
+  return extra
+
+
 @dataclasses.dataclass
 class GroupedGemm:
   """tokamax ragged_dot calls: the FLOPs their tiles run beyond the routed ones and the time of the grid
@@ -242,12 +267,10 @@ class GroupedGemm:
 
 def grouped_gemm_tiles(M: int, K: int, N: int, G: int, ch: Charges) -> dict[str, float]:
   """One ragged_dot x [M, K] by w [G, K, N] with rows spread evenly over the G groups (routing at random
-  weights, and the expected load of a balanced router): each group's rows are tiled from its own start."""
-  rows = M / G
-  row_tiles = math.ceil(rows / ch.tile_rows) if rows > 0 else 0
-  col_tiles = math.ceil(N / ch.tile_cols)
-  return {"routed_flops": 2.0 * M * K * N, "padded_flops": 2.0 * G * row_tiles * ch.tile_rows * K * N,
-          "blocks": math.ceil(M / ch.tile_rows) * col_tiles * G, "working_blocks": G * row_tiles * col_tiles}
+  weights, and the expected load of a balanced router), at the row tile the engine picks for the shape
+  (moe.grouped_block_m) unless the charges fix one (tile_rows > 0)."""
+  bm = ch.tile_rows if ch.tile_rows > 0 else moe.grouped_block_m(M, K, N, G)
+  return dict(moe.grouped_tiles(M, K, N, G, bm, ch.tile_cols), block_m=bm)
 
 
 def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
@@ -330,7 +353,7 @@ def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, 
   blocks."""
   k = kernels(mod, ch)
   gg = grouped_gemms(mod, ch)
-  nbytes = cost["bytes"] - gather_overcount(mod)
+  nbytes = cost["bytes"] - gather_overcount(mod) - scatter_overcount(mod)
   flops = cost["flops"] + (gg.padded_flops - gg.routed_flops)
   body_s = max(nbytes / ch.hbm_bytes_per_s, flops / ch.bf16_flops)
   overhead = k.overhead_s(ch)
@@ -339,4 +362,4 @@ def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, 
           "kernels": k.total, "graphs": k.graphs, "kernels_in_graphs": k.in_graphs, "separate_launches": k.separate,
           "kernels_by_kind": dict(k.by_kind), "kernel_overhead_s": overhead, "grouped_gemm_calls": gg.calls,
           "grouped_gemm_pad_flops": gg.padded_flops - gg.routed_flops, "grouped_gemm_empty_s": empty,
-          "gather_overcount_bytes": cost["bytes"] - nbytes}
+          "gather_scatter_overcount_bytes": cost["bytes"] - nbytes}

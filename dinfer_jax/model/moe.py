@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import math
 import warnings
 
 import jax
@@ -120,10 +121,59 @@ def _tokamax():
   return tokamax
 
 
+# tokamax's Pallas-Triton grouped GEMM tiles each group's rows from the group's own start, over a grid of
+# ceil(M / block_m) x ceil(N / block_n) x G blocks: the blocks past a group's rows find nothing and exit (not
+# free: about 1 us per wave of ~1056 resident blocks on an H200), and a group's last tile is padded. Its
+# heuristic block_m is 128 whatever the rows per group; grouped_block_m picks the one that costs least by the
+# roofline bench's realistic model (bench.realistic: 790 TFLOP/s achievable, rows spread evenly over groups):
+# 256 at the refreshes (160 rows per expert at batch 1: one tile instead of two; 1280 at batch 8: 5 full
+# tiles), half the grid either way.
+GROUPED_BLOCK_M = (64, 128, 256)
+GROUPED_BLOCK_N = 128
+_GEMM_FLOPS_PER_S = 790e12
+_EMPTY_WAVE_S, _RESIDENT_BLOCKS = 1e-6, 132 * 8
+
+
+def grouped_tiles(M: int, K: int, N: int, G: int, block_m: int, block_n: int = GROUPED_BLOCK_N) -> dict[str, float]:
+  """The work of one grouped GEMM x [M, K] by w [G, K, N] with M rows spread evenly over G groups: FLOPs of
+  the tiles it runs (each group's rows rounded up to block_m), grid blocks, and blocks that find rows."""
+  rows = M / G
+  row_tiles = math.ceil(rows / block_m) if rows > 0 else 0
+  col_tiles = math.ceil(N / block_n)
+  return {"routed_flops": 2.0 * M * K * N, "padded_flops": 2.0 * G * row_tiles * block_m * K * N,
+          "blocks": math.ceil(M / block_m) * col_tiles * G, "working_blocks": G * row_tiles * col_tiles}
+
+
+def grouped_time_s(t: dict[str, float], flops_per_s: float = _GEMM_FLOPS_PER_S, empty_wave_s: float = _EMPTY_WAVE_S,
+                   resident_blocks: int = _RESIDENT_BLOCKS) -> float:
+  """Compute time of the tiles plus the empty blocks' waves (the realistic model's charge)."""
+  return t["padded_flops"] / flops_per_s + empty_wave_s * (t["blocks"] - t["working_blocks"]) / resident_blocks
+
+
+def grouped_block_m(M: int, K: int, N: int, G: int) -> int:
+  """The row tile that costs least for this shape (ties: the smaller tile, fewer registers)."""
+  return min(GROUPED_BLOCK_M, key=lambda bm: (grouped_time_s(grouped_tiles(M, K, N, G, bm)), bm))
+
+
+def _tokamax_op(block_m: int):
+  """tokamax's Pallas-Triton ragged dot with our row tile (128x128x32 and 4 warps is its own heuristic; 256
+  rows take 8 warps to keep the accumulator in registers). None when this tokamax has no such op/config: its
+  own heuristic then runs."""
+  try:
+    from tokamax._src.ops.ragged_dot import pallas_triton
+    cfg = pallas_triton.Config(block_m=block_m, block_n=GROUPED_BLOCK_N, block_k=32,
+                               num_warps=8 if block_m >= 256 else 4, num_stages=4)
+    return pallas_triton.PallasTritonRaggedDot(config=cfg)
+  except (ImportError, AttributeError, TypeError):
+    return None
+
+
 def _grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
   """x [M, K] rows sorted by group, w [G, K, N], sizes [G] -> [M, N]: one GEMM per group's rows."""
   if backend() == "gpu" and has_gpu_grouped_gemm():
-    return _tokamax().ragged_dot(x, w, sizes, implementation="triton")
+    (M, K), (G, _, N) = x.shape, w.shape
+    op = _tokamax_op(grouped_block_m(M, K, N, G))
+    return _tokamax().ragged_dot(x, w, sizes, implementation=[op] if op is not None else "triton")
   return jax.lax.ragged_dot(x, w, sizes)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from dinfer_jax.bench import realistic, roofline
+from dinfer_jax.model import moe
 
 # A module as XLA prints an optimised one: 6 fusions in a row, a copy, 2 more fusions, a loop with a known trip
 # count of 3 over 2 fusions, and a gather fusion that looks up 4 rows of a [1000, 64] fp32 table.
@@ -79,18 +80,57 @@ def test_gather_is_charged_the_rows_it_reads():
   assert realistic.gather_overcount(mod) == 1000 * 64 * 4 - 4 * 64 * 4
 
 
+def test_in_place_scatter_is_charged_the_slots_it_writes():
+  text = """HloModule s
+
+%fused_scatter (b: bf16[1,1280,16,128], i: s32[96,2], u: bf16[96,16,128]) -> bf16[1,1280,16,128] {
+  %b = bf16[1,1280,16,128]{3,2,1,0} parameter(0)
+  %i = s32[96,2]{1,0} parameter(1)
+  %u = bf16[96,16,128]{2,1,0} parameter(2)
+  ROOT %s = bf16[1,1280,16,128]{3,2,1,0} scatter(%b, %i, %u), update_window_dims={1,2}, inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0,1}, index_vector_dim=1, to_apply=%add
+}
+
+ENTRY %main (b: bf16[1,1280,16,128], i: s32[96,2], u: bf16[96,16,128]) -> bf16[1,1280,16,128] {
+  %b = bf16[1,1280,16,128]{3,2,1,0} parameter(0)
+  %i = s32[96,2]{1,0} parameter(1)
+  %u = bf16[96,16,128]{2,1,0} parameter(2)
+  ROOT %f = bf16[1,1280,16,128]{3,2,1,0} fusion(%b, %i, %u), kind=kInput, calls=%fused_scatter
+}
+"""
+  buf, upd, idx = 1280 * 16 * 128 * 2, 96 * 16 * 128 * 2, 96 * 2 * 4
+  # Charged: the buffer read and written (+ the updates and indices read); touched: the updates and indices
+  # read, as many bytes written.
+  assert realistic.scatter_overcount(realistic.Module(text)) == 2 * buf - (upd + idx)
+
+
 def test_grouped_gemm_tiles_at_the_batch1_refresh():
   """LLaDA-MoE-7B-A1B's batch-1 refresh: 1280 tokens x 8 experts = 10240 rows over 64 experts (160 each),
-  gate projection 2048 -> 1024: 2 row tiles of 128 per expert = 1.6x the routed FLOPs, a grid of 80 x 8 x 64
-  blocks of which 64 x 2 x 8 find rows (the audit's 40,960 and 1,024)."""
-  t = realistic.grouped_gemm_tiles(10240, 2048, 1024, 64, realistic.H200)
+  gate projection 2048 -> 1024. With tokamax's own 128-row tile: 2 row tiles per expert = 1.6x the routed
+  FLOPs, a grid of 80 x 8 x 64 blocks of which 64 x 2 x 8 find rows (the audit's 40,960 and 1,024)."""
+  ch128 = dataclasses.replace(realistic.H200, tile_rows=128)
+  t = realistic.grouped_gemm_tiles(10240, 2048, 1024, 64, ch128)
   assert t["routed_flops"] == 2 * 10240 * 2048 * 1024
   assert t["padded_flops"] / t["routed_flops"] == pytest.approx(1.6)
   assert (t["blocks"], t["working_blocks"]) == (40960, 1024)
-  # 160 rows fit one 256-row tile: no padding beyond 256 / 160.
-  t256 = realistic.grouped_gemm_tiles(10240, 2048, 1024, 64, dataclasses.replace(realistic.H200, tile_rows=256))
+  # The engine's tile for the shape (moe.grouped_block_m): 256 rows hold an expert's 160 in one tile, the same
+  # padding in half the grid, so less time by the model's charges.
+  t256 = realistic.grouped_gemm_tiles(10240, 2048, 1024, 64, realistic.H200)
+  assert t256["block_m"] == 256
   assert t256["padded_flops"] / t256["routed_flops"] == pytest.approx(1.6)
   assert t256["blocks"] == 40 * 8 * 64
+  # Time = tiles at 790 TFLOP/s + (empty blocks / 1056 resident) x 1 us.
+  by_hand = lambda t: t["padded_flops"] / 790e12 + 1e-6 * (t["blocks"] - t["working_blocks"]) / 1056  # noqa: E731
+  assert moe.grouped_time_s(t256) == pytest.approx(by_hand(t256))
+  assert by_hand(t256) < by_hand(t)
+
+
+def test_grouped_block_m_follows_the_rows_per_group():
+  # batch-8 refresh: 1280 rows per expert, 5 full tiles of 256 (no padding) and the smallest grid.
+  assert moe.grouped_block_m(81920, 2048, 1024, 64) == 256
+  # batch-8 cached window (96 rows per expert): one 128-row tile beats two of 64 and a 256 with 160 padded rows.
+  assert moe.grouped_block_m(6144, 2048, 1024, 64) == 128
+  # 16 rows per expert: the smallest tile.
+  assert moe.grouped_block_m(1024, 2048, 1024, 64) == 64
 
 
 def test_forward_time_adds_the_charges():
