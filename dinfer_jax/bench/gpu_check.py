@@ -95,19 +95,10 @@ def _prompts(cfg: ModelConfig, batch: int, length: int) -> list[list[int]]:
   return [[int(t) if int(t) not in bad else 7 for t in rng.integers(10, hi, size=length)] for _ in range(batch)]
 
 
-def _best(fn, reps: int) -> float:
-  best = float("inf")
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - t)
-  return best
-
-
 def time_forwards(params, cfg, gcfg, lay, static, reps: int) -> dict[str, dict[str, Any]]:
   """Per forward kind: compile once, then time it alone as the engine's loop runs it: a cached forward takes
   the cache donated and returns it (its K/V writes in place), and the next call takes what it returned."""
-  from dinfer_jax.bench.throughput import forward_programs
+  from dinfer_jax.bench.throughput import _best_time, forward_programs
   out = {}
   for kind, (f, args) in forward_programs(cfg, gcfg, lay, static, table=params["embed"], cache_out=True).items():
     cached = kind.startswith("cached")
@@ -121,8 +112,7 @@ def time_forwards(params, cfg, gcfg, lay, static, reps: int) -> dict[str, dict[s
       if cached:
         state["args"][1] = res[1]  # the returned cache feeds the next call (the donated one is gone)
       return res
-    jax.block_until_ready(call())  # warm-up
-    out["refresh" if kind == "full" else kind] = {"ms": 1e3 * _best(call, reps), "compile_s": compile_s,
+    out["refresh" if kind == "full" else kind] = {"ms": 1e3 * _best_time(call, reps), "compile_s": compile_s,
                                                   **kernels_of(compiled)}
   return out
 

@@ -210,21 +210,24 @@ def kernels(mod: Module, ch: Charges, comp: str | None = None) -> Kernels:
   return out
 
 
+def fusions_with(mod: Module, inner: str):
+  """(result type, operand text) of every fusion whose fused computation holds an `inner` instruction."""
+  for comp in mod.comps.values():
+    for _, result, op, rest in comp:
+      called = _CALLS.search(rest) if op == "fusion" else None
+      if called and inner in mod.ops_in(called.group(1)):
+        yield result, rest
+
+
 def gather_overcount(mod: Module) -> float:
   """Bytes XLA's cost analysis charges gathers beyond what they read: a gather fusion is charged its whole
   operand; it reads about as many bytes as it writes (the looked-up rows)."""
   extra = 0.0
-  for comp in mod.comps.values():
-    for _, result, op, rest in comp:
-      if op != "fusion":
-        continue
-      called = _CALLS.search(rest)
-      if not called or "gather" not in mod.ops_in(called.group(1)):
-        continue
-      out_bytes = _nbytes(_arrays(result))
-      operand = max((_nbytes([a]) for a in mod.operands(rest)), default=0)
-      if operand > 4 * out_bytes:
-        extra += operand - out_bytes
+  for result, rest in fusions_with(mod, "gather"):
+    out_bytes = _nbytes(_arrays(result))
+    operand = max((_nbytes([a]) for a in mod.operands(rest)), default=0)
+    if operand > 4 * out_bytes:
+      extra += operand - out_bytes
   return extra
 
 
@@ -234,20 +237,14 @@ def scatter_overcount(mod: Module) -> float:
   written; it reads its other operands (the updates, or what it computes them from) and writes at most as many
   bytes into the buffer."""
   extra = 0.0
-  for comp in mod.comps.values():
-    for _, result, op, rest in comp:
-      if op != "fusion":
-        continue
-      called = _CALLS.search(rest)
-      if not called or "scatter" not in mod.ops_in(called.group(1)):
-        continue
-      outs = _arrays(result)
-      ins = mod.operands(rest)
-      if len(outs) != 1 or outs[0] not in ins:
-        continue
-      buf = _nbytes(outs)
-      others = _nbytes(ins) - buf  # read either way (updates, indices, what the fusion computes them from)
-      extra += 2 * buf - min(others, buf)  # charged: buffer read + written; touched: about `others` written
+  for result, rest in fusions_with(mod, "scatter"):
+    outs = _arrays(result)
+    ins = mod.operands(rest)
+    if len(outs) != 1 or outs[0] not in ins:
+      continue
+    buf = _nbytes(outs)
+    others = _nbytes(ins) - buf  # read either way (updates, indices, what the fusion computes them from)
+    extra += 2 * buf - min(others, buf)  # charged: buffer read + written; touched: about `others` written
   return extra
 
 

@@ -141,36 +141,73 @@ def _prediction(setting: str) -> dict:
                     "host_syncs_per_block": 2}]}
 
 
-def test_gpu_check_rehearsal_on_cpu(tmp_path, capsys):
-  """The GPU check's own code path on the tiny preset (JAX_PLATFORMS=cpu in the suite): every item runs, the
-  JSON and markdown are written, and the prediction is put beside each measurement at its forward counts."""
-  preds = []
+def _write_predictions(tmp_path) -> list[str]:
+  args = []
   for setting in ("threshold", "dinfer"):
-    preds += ["--predicted", str(tmp_path / f"{setting}.json")]
     (tmp_path / f"{setting}.json").write_text(json.dumps(_prediction(setting)))
-  out = tmp_path / "out"
-  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--reps", "1", *preds]) == 0
-  d = json.loads((out / "gpu_check.json").read_text())
+    args += ["--predicted", str(tmp_path / f"{setting}.json")]
+  return args
+
+
+def _check_rehearsal(d: dict, batch8: bool) -> None:
   assert d["env"]["backend"] == "cpu" and not d["skipped"] and not d["failed"]
   items = d["items"]
-  assert set(items) == {"forwards_b1", "generate_b1_threshold", "generate_b1_dinfer", "stepped_b1_threshold",
-                        "forwards_b8", "generate_b8_threshold"}
+  expect = {"forwards_b1", "generate_b1_threshold", "generate_b1_dinfer", "stepped_b1_threshold"}
+  assert set(items) == (expect | {"forwards_b8", "generate_b8_threshold"} if batch8 else expect)
   for kind in ("refresh", "cached"):
     r = items["forwards_b1"][kind]
     assert r["ms"] > 0 and r["kernels"] > 0 and r["moe"] == "dense" and r["attention"] == "xla"
   assert items["forwards_b1"]["cached"]["predicted_realistic_ms"] == 1.5
   g = items["generate_b1_threshold"]
   assert g["nfe"] == g["n_full"] + g["n_cached"] and g["n_full"] == 4  # one refresh per block
+  # The prediction at the measured forward counts: hand-set forward times, 1 sync per step, 2 per block.
   sync = 15e-6
   assert g["predicted_ideal_s"] == pytest.approx(1e-3 * (2.0 * g["n_full"] + 1.0 * g["n_cached"]))
   assert g["predicted_realistic_s"] == pytest.approx(
       1e-3 * (3.5 * g["n_full"] + 1.75 * g["n_cached"]) + sync * (g["nfe"] * 1 + 4 * 2))
-  assert "predicted_ideal_s" not in items["generate_b8_threshold"]  # no batch-8 prediction was given
   st = items["stepped_b1_threshold"]  # the same generation stepped from Python: same forwards
   assert st["same_nfe"] and st["engine_speedup"] > 0
+
+
+def test_gpu_check_script_rehearsal(tmp_path):
+  """gpu_check.sh itself (the command the GPU machine runs: its python3, PYTHONPATH, no install) on CPU with
+  the tiny preset: every batch-1 item runs, the JSON and markdown are written, each measurement sits beside
+  the prediction at its forward counts."""
+  out = tmp_path / "out"
+  env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", DINFER_JAX_SITE=str(tmp_path / "site"))
+  script = pathlib.Path(gpu_check.__file__).with_name("gpu_check.sh")
+  p = subprocess.run([str(script), str(out), "--tiny", "--batches", "1", "--reps", "1", "--compile-cache", "",
+                      *_write_predictions(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  _check_rehearsal(json.loads((out / "gpu_check.json").read_text()), batch8=False)
   md = (out / "gpu_check.md").read_text()
-  assert "| b1_dinfer |" in md and "Python-stepped loop" in md
-  assert "| 1 | cached |" in capsys.readouterr().out
+  assert "| b1_dinfer |" in md and "Python-stepped loop" in md and "| 1 | cached |" in p.stdout
+
+
+def test_gpu_check_rehearsal_on_cpu(tmp_path):
+  """The Python entry in-process, batch 8 included (the script test covers batch 1)."""
+  out = tmp_path / "out"
+  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--reps", "1",
+                         *_write_predictions(tmp_path)]) == 0
+  d = json.loads((out / "gpu_check.json").read_text())
+  _check_rehearsal(d, batch8=True)
+  assert "predicted_ideal_s" not in d["items"]["generate_b8_threshold"]  # no batch-8 prediction was given
+
+
+def test_committed_predictions_cover_the_gpu_check():
+  """The roofline bench's JSON files the GPU check compares with: both settings, batch 1 and 8, each with the
+  refresh and cached forwards' ideal and realistic times and the generate program's host syncs."""
+  preds = gpu_check.load_predictions(sorted(gpu_check.PREDICTED_DIR.glob("*.json")))
+  for setting in ("threshold", "dinfer"):
+    for batch in (1, 8):
+      p = gpu_check.predicted(preds, "llada_moe_7b_a1b", setting, batch)
+      assert p is not None, (setting, batch)
+      for kind in ("refresh", "cached"):
+        f = p["fwd"][kind]
+        assert 0 < f["roofline_ms"] < f["realistic_ms"] and f["step_ms"] > 0 and f["kernels"] > 0
+      assert p["syncs_step"] == 0  # compiled with the device-driven loop
+      t = gpu_check.predicted_generate_s(p, 16, 1008, 16)
+      assert 0 < t["ideal_s"] < t["realistic_s"]
 
 
 def test_gpu_check_needs_a_gpu_without_tiny(monkeypatch):
@@ -217,18 +254,6 @@ def test_bench_preset_random_model(tmp_path):
   assert eng["nfe"] == st["nfe"] and eng["tokens"] == st["tokens"]
   assert res["vs_python_stepped"] > 0
 
-
-def test_gpu_check_script_rehearsal(tmp_path):
-  """gpu_check.sh itself (the command the GPU machine runs: its python3, PYTHONPATH, no install) on CPU."""
-  out = tmp_path / "out"
-  env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", DINFER_JAX_SITE=str(tmp_path / "site"))
-  script = pathlib.Path(gpu_check.__file__).with_name("gpu_check.sh")
-  p = subprocess.run([str(script), str(out), "--tiny", "--batches", "1", "--reps", "1", "--compile-cache", ""],
-                     env=env, capture_output=True, text=True, timeout=300)
-  assert p.returncode == 0, p.stderr[-2000:]
-  d = json.loads((out / "gpu_check.json").read_text())
-  assert {"forwards_b1", "generate_b1_threshold", "generate_b1_dinfer", "stepped_b1_threshold"} == set(d["items"])
-  assert "| b1_threshold |" in p.stdout
 
 
 def test_box_install_keeps_what_the_machine_has(tmp_path, capsys):
