@@ -183,8 +183,8 @@ def test_aligned_first_block_batch3_more(decoder, cache, smoothing):
 
 
 # With smoothing this case used to fail (the 16-token prompt's row left the reference in its fourth block, canvas
-# position 40) and was a strict xfail. A -m slow run on 2026-12-03 found it passing, already at b1167e2's
-# successors before this session's loop changes (checked at f665786), so an earlier change of the loop made it
+# position 40) and was a strict xfail. A -m slow run on 2026-12-03 found it passing, and it already passed
+# before that day's loop changes (checked at f665786, whose engine is b1167e2's): an earlier change made it
 # agree; which one was not bisected. It stays under -m slow.
 @pytest.mark.parametrize("smoothing", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_prefix_windows_shrink_batch3(smoothing):
