@@ -43,14 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.bench import presets, realistic, roofline
-from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward  # noqa: F401  (re-exported)
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.model import moe
 from dinfer_jax.model import params as params_lib
 
-DINFER_TPF = 3.87  # dInfer, LLaDA-MoE, threshold 0.8 + dual cache + vicinity + smoothing (paper Table 1)
+DINFER_TPF = roofline.DINFER_TPF
 PREDICTED_DIR = pathlib.Path(__file__).parent / "predicted"
 
 

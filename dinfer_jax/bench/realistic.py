@@ -68,7 +68,6 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(")
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 _BODY = re.compile(r"body=%([\w.\-]+)")
-_COND = re.compile(r"condition=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TO_APPLY = re.compile(r"to_apply=%([\w.\-]+)")
 _TRUE_FALSE = re.compile(r"true_computation=%([\w.\-]+), false_computation=%([\w.\-]+)")
@@ -79,12 +78,12 @@ _DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2,
 _TRITON = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
 
 
-def _arrays(s: str) -> list[tuple[str, tuple[int, ...]]]:
+def arrays(s: str) -> list[tuple[str, tuple[int, ...]]]:
   return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(s)]
 
 
-def _nbytes(arrays) -> int:
-  return sum(_DT_BYTES[dt] * int(np.prod(shape)) for dt, shape in arrays)
+def nbytes(arrs) -> int:
+  return sum(_DT_BYTES[dt] * int(np.prod(shape)) for dt, shape in arrs)
 
 
 class Module:
@@ -123,7 +122,7 @@ class Module:
         depth -= 1
     out = []
     for name in re.findall(r"%([\w.\-]+)", rest[:end]):
-      out += _arrays(self.shapes.get(name, ""))
+      out += arrays(self.shapes.get(name, ""))
     return out
 
   def ops_in(self, comp: str) -> set[str]:
@@ -224,8 +223,8 @@ def gather_overcount(mod: Module) -> float:
   operand; it reads about as many bytes as it writes (the looked-up rows)."""
   extra = 0.0
   for result, rest in fusions_with(mod, "gather"):
-    out_bytes = _nbytes(_arrays(result))
-    operand = max((_nbytes([a]) for a in mod.operands(rest)), default=0)
+    out_bytes = nbytes(arrays(result))
+    operand = max((nbytes([a]) for a in mod.operands(rest)), default=0)
     if operand > 4 * out_bytes:
       extra += operand - out_bytes
   return extra
@@ -238,12 +237,12 @@ def scatter_overcount(mod: Module) -> float:
   bytes into the buffer."""
   extra = 0.0
   for result, rest in fusions_with(mod, "scatter"):
-    outs = _arrays(result)
+    outs = arrays(result)
     ins = mod.operands(rest)
     if len(outs) != 1 or outs[0] not in ins:
       continue
-    buf = _nbytes(outs)
-    others = _nbytes(ins) - buf  # read either way (updates, indices, what the fusion computes them from)
+    buf = nbytes(outs)
+    others = nbytes(ins) - buf  # read either way (updates, indices, what the fusion computes them from)
     extra += 2 * buf - min(others, buf)  # charged: buffer read + written; touched: about `others` written
   return extra
 
@@ -277,7 +276,7 @@ def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
       if op != "custom-call" or not _TRITON.search(rest):
         continue
       ins = mod.operands(rest)
-      outs = _arrays(result)
+      outs = arrays(result)
       if len(ins) < 2 or len(ins[0][1]) != 2 or len(ins[1][1]) != 3 or not outs or len(outs[0][1]) != 2:
         continue
       (M, K), (G, K2, N) = ins[0][1], ins[1][1]
@@ -350,13 +349,13 @@ def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, 
   blocks."""
   k = kernels(mod, ch)
   gg = grouped_gemms(mod, ch)
-  nbytes = cost["bytes"] - gather_overcount(mod) - scatter_overcount(mod)
+  moved = cost["bytes"] - gather_overcount(mod) - scatter_overcount(mod)
   flops = cost["flops"] + (gg.padded_flops - gg.routed_flops)
-  body_s = max(nbytes / ch.hbm_bytes_per_s, flops / ch.bf16_flops)
+  body_s = max(moved / ch.hbm_bytes_per_s, flops / ch.bf16_flops)
   overhead = k.overhead_s(ch)
   empty = gg.empty_s(ch)
-  return {"realistic_s": body_s + overhead + empty, "realistic_bytes": nbytes, "realistic_flops": flops,
+  return {"realistic_s": body_s + overhead + empty, "realistic_bytes": moved, "realistic_flops": flops,
           "kernels": k.total, "graphs": k.graphs, "kernels_in_graphs": k.in_graphs, "separate_launches": k.separate,
           "kernels_by_kind": dict(k.by_kind), "kernel_overhead_s": overhead, "grouped_gemm_calls": gg.calls,
           "grouped_gemm_pad_flops": gg.padded_flops - gg.routed_flops, "grouped_gemm_empty_s": empty,
-          "gather_scatter_overcount_bytes": cost["bytes"] - nbytes}
+          "gather_scatter_overcount_bytes": cost["bytes"] - moved}

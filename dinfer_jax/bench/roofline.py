@@ -15,7 +15,7 @@ Targets:
 Per forward (the refresh forward over the whole canvas, the cached forward over the window) it reports FLOPs
 and bytes accessed with every while loop (the layer scan) counted body x trip count, the temp memory, the
 floor (bytes the forward must move: every weight it touches, K/V read and written, embedding rows, fp32
-logits written; gpu_check.bytes_per_forward), bytes/floor, routed FLOPs (gpu_check.flops_per_forward) and
+logits written; floors.bytes_per_forward), bytes/floor, routed FLOPs (floors.flops_per_forward) and
 the roofline time max(bytes / bandwidth, FLOPs / peak). The whole generate program is compiled too (temp
 memory, host transfers). Predicted TPS at a tokens-per-forward figure: a G-token generation takes G / TPF
 forwards, one refresh per block and the rest cached (all full forwards without a cache).
@@ -50,7 +50,7 @@ from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.model import moe
 from dinfer_jax.model import params as params_lib
 
-DINFER_TPF = 3.87  # dInfer, LLaDA-MoE, threshold 0.8 + dual cache (paper Table 1)
+DINFER_TPF = 3.87  # dInfer, LLaDA-MoE, threshold 0.8 + smoothing + vicinity, dual cache (paper Table 1)
 
 _GPU_INFO = """gpu_device_info {{
   threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
@@ -157,18 +157,8 @@ def deviceless_tokamax(on: bool):
 
 # ----------------------------------------------------------------------------- cost of the optimised module
 
-_DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
-_ARRAY = re.compile(r"\b(pred|s8|u8|bf16|f16|s16|f32|s32|u32|f64|s64)\[([\d,]*)\]")
 _KERNEL = re.compile(r'= (.*?) custom-call\(.*custom_call_target="(__gpu\$xla\.gpu\.triton|__cudnn\$fmha[\w$]*)".*?'
                      r'operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}')
-
-
-def _dims(s: str) -> list[tuple[str, tuple[int, ...]]]:
-  return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(s)]
-
-
-def _nbytes(arrays) -> int:
-  return sum(_DT_BYTES[dt] * int(np.prod(shape)) for dt, shape in arrays)
 
 
 def kernel_call_cost(line: str) -> dict[str, float] | None:
@@ -178,7 +168,7 @@ def kernel_call_cost(line: str) -> dict[str, float] | None:
   m = _KERNEL.search(line)
   if not m:
     return None
-  outs, ins = _dims(m.group(1)), _dims(m.group(3))
+  outs, ins = realistic.arrays(m.group(1)), realistic.arrays(m.group(3))
   flops = 0.0
   if m.group(2).startswith("__cudnn") and len(ins) >= 2 and len(ins[0][1]) == 4:
     (B, T, N, H), S = ins[0][1], ins[1][1][1]
@@ -187,7 +177,7 @@ def kernel_call_cost(line: str) -> dict[str, float] | None:
     (M, K), (_, K2, N) = ins[0][1], ins[1][1]
     if K == K2 and outs[0][1] == (M, N):
       flops = 2.0 * M * K * N
-  return {"flops": flops, "bytes": float(_nbytes(ins) + _nbytes(outs))}
+  return {"flops": flops, "bytes": float(realistic.nbytes(ins) + realistic.nbytes(outs))}
 
 _HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) \(")
 _WHILE = re.compile(r"\bwhile\(.*?body=%([\w.\-]+)")

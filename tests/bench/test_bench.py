@@ -225,7 +225,7 @@ def test_gpu_check_skips_what_the_budget_cannot_hold(tmp_path):
 
 def test_roofline_bytes_llada_moe():
   """At batch 1 a 64-token block touches (essentially) all 64 experts; the weights read are ~14 GB in bf16."""
-  cfg = gpu_check.ModelConfig.llada_moe_7b_a1b()
+  cfg = floors.ModelConfig.llada_moe_7b_a1b()
   b = floors.bytes_per_forward(cfg, dtype_bytes=2, batch=1, tokens=64, kv_len=1088, logits_tokens=64)
   assert b["experts_touched_per_layer"] == pytest.approx(64, abs=0.01)
   assert 13.5e9 < b["weights"] < 14.5e9
