@@ -14,6 +14,7 @@ import numpy as np
 from dinfer_jax import checkpoint
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import params as params_lib
+from dinfer_jax.model import quant
 from dinfer_jax.model.transformer import forward as _forward
 from dinfer_jax.sharding import param_shardings, use_mesh
 
@@ -79,7 +80,7 @@ def load_config(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dic
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
-         mesh: jax.sharding.Mesh | None = None) -> Model:
+         mesh: jax.sharding.Mesh | None = None, quantize: "str | quant.QuantConfig | None" = None) -> Model:
   """Loads an HF checkpoint directory or a converted (orbax) one.
 
   Args:
@@ -87,7 +88,11 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
     dtype: weight dtype ("float32" or "bfloat16"; the router's expert_bias stays fp32).
     mesh: optional (data, tensor, expert) mesh (sharding.make_mesh); weights are placed straight into
       their tensor/expert-parallel shardings as they are read.
+    quantize: None (as stored), "int8" or "fp8" (per-channel scales), "int8-block" / "fp8-block" (128x128
+      blocks) or a model.quant.QuantConfig: the attention and FFN/expert weights are quantised on load
+      (model/quant.py); an already-quantised checkpoint is used as stored when this is None.
   """
+  qc = quant.QuantConfig.parse(quantize)
   p = resolve_path(path)
   if checkpoint.is_converted_checkpoint(p):
     cfg, _ = load_config(p)
@@ -102,6 +107,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
   else:
     raise checkpoint.CheckpointError(f"{p}: neither an HF checkpoint (config.json + *.safetensors) nor a "
                                      "converted dinfer-jax checkpoint")
+  if qc is not None:
+    if mesh is not None:
+      raise ValueError("load: quantize= with a mesh is not supported yet; quantise unsharded (mesh=None)")
+    params = quant.quantize_params(params, qc)
   return Model(config=cfg, params=params, tokenizer=load_tokenizer(p), mesh=mesh, path=str(p))
 
 

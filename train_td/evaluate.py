@@ -102,7 +102,7 @@ def main(args) -> int:
   task_names = [t for t in args.task.split(",") if t]
   for t in task_names:
     tasks_lib.get_task(t)  # an unknown task fails before any model is loaded
-  models = [dinfer_jax.load(m, dtype=args.dtype) for m in names]
+  models = [dinfer_jax.load(m, dtype=args.dtype, quantize=getattr(args, "quantize", None)) for m in names]
   results = []
   for task in task_names:
     gcfg = task_generation_config(args, models[0].path, task, models[0].tokenizer)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.model import quant
+
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   """Normalises over the last axis. Statistics in fp32 (bf16 mean-of-squares loses digits), then cast back
@@ -35,10 +37,10 @@ def rope(x: jax.Array, positions: jax.Array, *, theta: float, rot_dim: int) -> j
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
-  """down(silu(x @ gate) * (x @ up)) for kernels gate/up [D, F], down [F, D]; x [..., D]."""
-  g = jnp.einsum("...D,DF->...F", x, gate.astype(x.dtype))
-  u = jnp.einsum("...D,DF->...F", x, up.astype(x.dtype))
-  return jnp.einsum("...F,FD->...D", jax.nn.silu(g) * u, down.astype(x.dtype))
+  """down(silu(x @ gate) * (x @ up)) for kernels gate/up [D, F], down [F, D] (plain or quantised); x [..., D]."""
+  g = quant.einsum("...D,DF->...F", x, gate)
+  u = quant.einsum("...D,DF->...F", x, up)
+  return quant.einsum("...F,FD->...D", jax.nn.silu(g) * u, down)
 
 
 def slice_rows(a: jax.Array, start: jax.Array | int, size: int, axis: int = 1) -> jax.Array:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.model import quant
 from dinfer_jax.model.layers import swiglu
 
 # Token count above which "auto" switches from the dense kernel to the grouped GEMM on GPU. The dense
@@ -169,12 +170,14 @@ def _tokamax_op(block_m: int):
 
 
 def _grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-  """x [M, K] rows sorted by group, w [G, K, N], sizes [G] -> [M, N]: one GEMM per group's rows."""
+  """x [M, K] rows sorted by group, w [G, K, N] (plain or quantised, used in x's dtype), sizes [G] -> [M, N]:
+  one GEMM per group's rows."""
   if backend() == "gpu" and has_gpu_grouped_gemm():
     (M, K), (G, _, N) = x.shape, w.shape
     op = _tokamax_op(grouped_block_m(M, K, N, G))
-    return _tokamax().ragged_dot(x, w, sizes, implementation=[op] if op is not None else "triton")
-  return jax.lax.ragged_dot(x, w, sizes)
+    # A QArray goes in as it is: the Triton kernel loads the 8-bit tiles and scales them in registers.
+    return _tokamax().ragged_dot(x, w.astype(x.dtype), sizes, implementation=[op] if op is not None else "triton")
+  return quant.ragged_dot(x, w, sizes)
 
 
 def experts_dense(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
@@ -189,10 +192,10 @@ def experts_dense(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_expert
   T = h.shape[0]
   combine = jnp.zeros((T, n_experts), jnp.float32).at[jnp.arange(T)[:, None], idx].add(w)
   hb = jnp.broadcast_to(h, (n_experts,) + h.shape)
-  g = jnp.einsum("ETD,EDF->ETF", hb, ex["gate"].astype(dt))
-  u = jnp.einsum("ETD,EDF->ETF", hb, ex["up"].astype(dt))
+  g = quant.einsum("ETD,EDF->ETF", hb, ex["gate"])
+  u = quant.einsum("ETD,EDF->ETF", hb, ex["up"])
   a = ((jax.nn.silu(g) * u).astype(jnp.float32) * combine.T[:, :, None]).astype(dt)
-  return jnp.einsum("ETF,EFD->TD", a, ex["down"].astype(dt), preferred_element_type=jnp.float32).astype(dt)
+  return quant.einsum("ETF,EFD->TD", a, ex["down"], preferred_element_type=jnp.float32).astype(dt)
 
 
 def experts_ragged(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
@@ -204,16 +207,18 @@ def experts_ragged(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_exper
   tok = order // k  # the token each sorted row came from
   xs = h[tok]  # [T*k, D]
   sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
-  g = _grouped_dot(xs, ex["gate"].astype(dt), sizes)
-  u = _grouped_dot(xs, ex["up"].astype(dt), sizes)
-  ys = _grouped_dot(jax.nn.silu(g) * u, ex["down"].astype(dt), sizes)  # [T*k, D]
+  g = _grouped_dot(xs, ex["gate"], sizes)
+  u = _grouped_dot(xs, ex["up"], sizes)
+  ys = _grouped_dot(jax.nn.silu(g) * u, ex["down"], sizes)  # [T*k, D]
   ws = w.reshape(-1)[order]
   out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(ys.astype(jnp.float32) * ws[:, None])
   return out.astype(dt)
 
 
 def moe_loop_reference(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
-  """Plain reference: a Python loop over experts, each applied to the tokens routed to it (tests only)."""
+  """Plain reference: a Python loop over experts, each applied to the tokens routed to it (tests only);
+  quantised experts are dequantised first."""
+  ex = quant.dequantize_params(ex, h.dtype)
   out = jnp.zeros(h.shape, jnp.float32)
   for e in range(n_experts):
     we = jnp.where(idx == e, w, 0.0).sum(-1)  # [T] this expert's weight per token (0 if not routed)

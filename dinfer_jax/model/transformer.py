@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import moe as moe_lib
+from dinfer_jax.model import quant
 from dinfer_jax.model.attention import attention, attention_mask
 from dinfer_jax.model.layers import rms_norm, rope, slice_rows, swiglu, update_rows, write_rows
 from dinfer_jax.sharding import shard
@@ -33,9 +34,9 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_
   kv_in's buffers (where write_mask) and those buffers come back, in the cache dtype."""
   dt = x.dtype
   h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-  q = jnp.einsum("BTD,DNH->BTNH", h, lp["q"].astype(dt))
-  k = jnp.einsum("BTD,DKH->BTKH", h, lp["k"].astype(dt))
-  v = jnp.einsum("BTD,DKH->BTKH", h, lp["v"].astype(dt))
+  q = quant.einsum("BTD,DNH->BTNH", h, lp["q"])
+  k = quant.einsum("BTD,DKH->BTKH", h, lp["k"])
+  v = quant.einsum("BTD,DKH->BTKH", h, lp["v"])
   if cfg.qk_norm:
     # Per-head norm with a [H] weight shared by all heads, before RoPE (not OLMoE's whole-projection norm).
     q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
@@ -57,7 +58,7 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_
       keys = update_rows(ck, k.astype(ck.dtype), cache_start)
       vals = update_rows(cv, v.astype(cv.dtype), cache_start)
   a = attention(q, keys.astype(dt), vals.astype(dt), mask)
-  x = x + jnp.einsum("BTNH,NHD->BTD", a, lp["o"].astype(dt))
+  x = x + quant.einsum("BTNH,NHD->BTD", a, lp["o"])
   h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
   if moe:
     y = moe_lib.moe_ffn(h, lp, cfg, moe_impl)

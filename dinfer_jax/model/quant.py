@@ -1,0 +1,278 @@
+"""Weight-only 8-bit inference: FP8 (e4m3) or int8 weights with per-output-channel or 128x128-block scales.
+
+The quantised leaves are google's qwix `QArray`s (qvalue int8/float8_e4m3fn + fp32 scale with one entry per
+tile), so a quantised param tree is still a plain pytree at every jit boundary. Which leaves: the attention
+projections (q, k, v, o), the dense FFN, the routed experts and the shared expert. The embedding, router,
+norms and LM head stay in the model dtype: the router picks experts (an 8-bit router moves the top-k), the
+LM head's logits are the decoder's confidences, and the embedding is a gather of a few rows.
+
+Scales (absmax calibration, symmetric, no zero point):
+- "channel": one scale per output channel of every layer (and expert);
+- "block": one per block of `block` x `block` weights in the HF [out, in] matrix, the layout of published
+  FP8 checkpoints (DeepSeek-style `weight_scale_inv`, LLaDA2.x FP8). Our kernels are [in, out] with the
+  head axes split out (q [D, N, H], o [N, H, D]); a block of 128 flattened (N, H) entries is a tile of
+  (128 / H, H) for H <= 128 and (1, 128) for H >= 128, so a block checkpoint maps tile for tile.
+
+Activations stay in the model dtype and accumulation in fp32. The matmuls go through qwix (einsum,
+ragged_dot), which for a bf16 x QArray product dequantises the weight inside the expression so XLA fuses
+the convert-and-scale into the GEMM's operand load (the roofline bench checks that no dequantised weight
+is written to HBM); tokamax's Pallas-Triton grouped GEMM takes the QArray itself and scales in-kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+SCALES = ("channel", "block")
+
+# name -> (contracting axes, output axes), of the per-layer kernel (no layer axis); the axes before them
+# (the expert axis) get their own scales. Leaves not named here are never quantised.
+_KERNEL_AXES = {
+    "q": ((0,), (1, 2)), "k": ((0,), (1, 2)), "v": ((0,), (1, 2)), "o": ((0, 1), (2,)),
+    "gate": ((0,), (1,)), "up": ((0,), (1,)), "down": ((0,), (1,)),
+}
+_PARENTS = {"q": None, "k": None, "v": None, "o": None, "gate": ("mlp", "experts", "shared"),
+            "up": ("mlp", "experts", "shared"), "down": ("mlp", "experts", "shared")}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+  """weights: "int8" or "fp8" (e4m3); scales: "channel" or "block" (block x block tiles of [out, in])."""
+  weights: str = "int8"
+  scales: str = "channel"
+  block: int = 128
+
+  def __post_init__(self):
+    if self.weights not in SCHEMES:
+      raise ValueError(f"QuantConfig: weights must be one of {sorted(SCHEMES)}, got {self.weights!r}")
+    if self.scales not in SCALES:
+      raise ValueError(f"QuantConfig: scales must be one of {SCALES}, got {self.scales!r}")
+    if self.block < 1:
+      raise ValueError(f"QuantConfig: block must be >= 1, got {self.block}")
+
+  @property
+  def qtype(self):
+    return SCHEMES[self.weights]
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def parse(cls, spec: "QuantConfig | str | dict | None") -> "QuantConfig | None":
+    """None/"none"/"bf16" -> None; "int8", "fp8", "fp8-block", "int8-channel"; a dict; a QuantConfig."""
+    if spec is None or isinstance(spec, QuantConfig):
+      return spec
+    if isinstance(spec, dict):
+      return cls(**spec)
+    s = str(spec).lower()
+    if s in ("none", "bf16", "bfloat16", "float32"):
+      return None
+    weights, _, scales = s.partition("-")
+    return cls(weights=weights, scales=scales or "channel")
+
+
+def is_qarray(x) -> bool:
+  # qwix is imported only once something is quantised: it costs ~1 s of start-up otherwise.
+  qwix = sys.modules.get("qwix")
+  return qwix is not None and isinstance(x, qwix.QArray)
+
+
+def is_quantized(params) -> bool:
+  return any(is_qarray(x) for x in jax.tree_util.tree_leaves(params, is_leaf=is_qarray))
+
+
+def leaf_axes(path: tuple[str, ...], ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+  """(contracting, output) axes of a quantisable leaf of `ndim` dims (stacked or per-layer, with or
+  without the expert axis), or None for a leaf that stays unquantised."""
+  name = path[-1]
+  if name not in _KERNEL_AXES:
+    return None
+  parents = _PARENTS[name]
+  if parents is not None and (len(path) < 2 or path[-2] not in parents):
+    return None
+  ca, oa = _KERNEL_AXES[name]
+  kernel_ndim = len(ca) + len(oa)
+  lead = ndim - kernel_ndim
+  if lead < 0:
+    return None
+  return tuple(a + lead for a in ca), tuple(a + lead for a in oa)
+
+
+def _group_tiles(sizes: tuple[int, ...], block: int, what: str) -> tuple[int, ...]:
+  """Per-axis tiles that cut the row-major flattening of axes `sizes` into runs of `block` (a group
+  smaller than one block is one tile)."""
+  total = int(np.prod(sizes))
+  if total <= block:
+    return tuple(sizes)
+  if total % block:
+    raise ValueError(f"{what}: {total} is not a multiple of the {block}-wide scale blocks")
+  tiles, left = [], block
+  for s in reversed(sizes):
+    if left >= s:
+      if left % s:
+        raise ValueError(f"{what}: axis of {s} does not tile into {block}-wide scale blocks")
+      tiles.append(s)
+      left //= s
+    else:
+      if s % left:
+        raise ValueError(f"{what}: axis of {s} does not tile into {block}-wide scale blocks")
+      tiles.append(left)
+      left = 1
+  return tuple(reversed(tiles))
+
+
+def tile_shape(path: tuple[str, ...], shape: tuple[int, ...], qc: QuantConfig) -> tuple[int, ...]:
+  """The tile each scale covers, per axis of the leaf: 1 on the layer and expert axes; "channel": 1 on the
+  output axes and the whole contracting axes, except the experts' down projection, scaled per input channel
+  (see channel_axes); "block": block-wide runs of the flattened contracting and output axes."""
+  axes = leaf_axes(path, len(shape))
+  if axes is None:
+    raise ValueError(f"{'/'.join(path)}: not a quantisable weight")
+  ca, oa = axes
+  if qc.scales == "channel":
+    keep = set(channel_axes(path, len(shape)))
+    return tuple(1 if a in keep else s for a, s in enumerate(shape))
+  tiles = [1] * len(shape)
+  what = f"{'/'.join(path)} {tuple(shape)}"
+  for group in (ca, oa):
+    for a, t in zip(group, _group_tiles(tuple(shape[a] for a in group), qc.block, what)):
+      tiles[a] = t
+  return tuple(tiles)
+
+
+def channel_axes(path: tuple[str, ...], ndim: int) -> tuple[int, ...]:
+  """Axes with one scale per index under the "channel" scheme: the layer and expert axes and the output
+  axes. The experts' down projection is the exception, scaled per (expert, input channel): the dense
+  all-experts path contracts experts and F in one GEMM ("ETF,EFD->TD"), where a per-(expert, output) scale
+  cannot be applied after the sum, while a per-(expert, F) one folds into the activations before it."""
+  ca, oa = leaf_axes(path, ndim)
+  lead = tuple(range(min(ca + oa)))
+  if path[-1] == "down" and len(path) >= 2 and path[-2] == "experts":
+    return lead + ca
+  return lead + oa
+
+
+def scale_shape(path: tuple[str, ...], shape: tuple[int, ...], qc: QuantConfig) -> tuple[int, ...]:
+  return tuple(s // t for s, t in zip(shape, tile_shape(path, shape, qc)))
+
+
+def quantize_leaf(path: tuple[str, ...], w, qc: QuantConfig):
+  """One weight -> QArray (qvalue in qc.qtype, fp32 scales), absmax per tile."""
+  import qwix
+  tiles = tile_shape(path, w.shape, qc)
+  tiled = {a: t for a, t in enumerate(tiles) if t != 1}
+  channel = [a for a, t in enumerate(tiles) if t == 1]
+  return qwix.quantize(jnp.asarray(w, jnp.float32), qc.qtype, channelwise_axes=channel, tiled_axes=tiled,
+                       scale_dtype=jnp.float32)
+
+
+def make_qarray(qvalue, scale):
+  """A QArray from stored parts (a checkpoint's qvalue and fp32 scale)."""
+  import qwix
+  return qwix.QArray(qvalue=qvalue, scale=scale)
+
+
+def _keys(path) -> tuple[str, ...]:
+  return tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
+
+
+def quantize_params(params: dict[str, Any], qc: QuantConfig | str) -> dict[str, Any]:
+  """The param tree with every quantisable weight replaced by a QArray (the rest unchanged)."""
+  qc = QuantConfig.parse(qc)
+  if qc is None:
+    return params
+
+  def one(path, w):
+    keys = tuple(k for k in _keys(path) if isinstance(k, str))
+    if is_qarray(w) or leaf_axes(keys, np.ndim(w)) is None:
+      return w
+    return quantize_leaf(keys, w, qc)
+
+  return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_qarray)
+
+
+def dequantize(w, dtype=None):
+  """A QArray back to a dense array (in the scale's dtype or `dtype`); other arrays unchanged."""
+  if not is_qarray(w):
+    return w
+  import qwix
+  out = qwix.dequantize(w if dtype is None else w.astype(dtype))
+  return out
+
+
+def dequantize_params(params, dtype=None):
+  """The plain reference: every QArray dequantised (what the quantised forward must reproduce)."""
+  return jax.tree_util.tree_map(lambda w: dequantize(w, dtype), params, is_leaf=is_qarray)
+
+
+def _expand(spec: str, ndim: int) -> str:
+  """One operand's subscripts with '...' spelled out as the leading letters the spec does not use."""
+  if "..." not in spec:
+    return spec
+  free = [c for c in "abcdefghijklmnopqrstuvwxyz" if c not in spec]
+  n = ndim - (len(spec) - 3)
+  return spec.replace("...", "".join(free[:n]))
+
+
+def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Array:
+  """x (activations) times a kernel w, plain or quantised; the kernel is used in x's dtype.
+
+  A per-channel QArray multiplies by its convert()ed 8-bit values and applies the scales outside the
+  product: to the output when they index output axes, to x when they index contracted ones (the experts'
+  down projection). XLA fuses a bare convert into its GEMM's operand load, so the weights are read from
+  HBM in 8 bits; qwix's own weight-only einsum dequantises (convert, then multiply by the scales) in front
+  of the dot, and XLA writes that bf16 weight to HBM first (the roofline bench's H200 compile: 17.4 MB
+  moved for a 2048 x 1024 int8 GEMM at 96 tokens, 9.0 MB this way). Block scales, which vary along the
+  contracted axes, go through qwix (correct, but the dequantised weight is materialised on GPU)."""
+  dt = x.dtype
+  out_dt = preferred_element_type or dt
+  if not is_qarray(w):
+    return jnp.einsum(spec, x, w.astype(dt), preferred_element_type=preferred_element_type)
+  ins, out = spec.split("->")
+  xs, ws = ins.split(",")
+  # The output's '...' takes x's leading letters.
+  xs_full = _expand(xs, x.ndim)
+  ws_full = _expand(ws, w.ndim)
+  out_full = out.replace("...", xs_full[:len(xs_full) - (len(xs) - 3)]) if "..." in out else out
+  full = f"{xs_full},{ws_full}->{out_full}"
+  scaled = [c for c, n, size in zip(ws_full, w.scale.shape, w.shape) if n != 1]
+  if any(n not in (1, size) for n, size in zip(w.scale.shape, w.shape)):
+    import qwix
+    return qwix.einsum(full, x, w.astype(dt), preferred_element_type=preferred_element_type).astype(out_dt)
+  s = w.scale.astype(jnp.float32).reshape([n for n in w.scale.shape if n != 1])
+  q = w.qvalue.astype(dt)
+  if all(c in out_full for c in scaled):
+    y = jnp.einsum(full, x, q, preferred_element_type=jnp.float32)
+    y = y * jax.lax.broadcast_in_dim(s, y.shape, [out_full.index(c) for c in scaled])
+    return y.astype(out_dt)
+  if all(c in xs_full for c in scaled):
+    xf = x.astype(jnp.float32) * jax.lax.broadcast_in_dim(s, x.shape, [xs_full.index(c) for c in scaled])
+    return jnp.einsum(full, xf.astype(dt), q, preferred_element_type=preferred_element_type).astype(out_dt)
+  import qwix
+  return qwix.einsum(full, x, w.astype(dt), preferred_element_type=preferred_element_type).astype(out_dt)
+
+
+def ragged_dot(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
+  """jax.lax.ragged_dot for a plain or quantised [G, K, N] kernel (the non-tokamax path)."""
+  if is_qarray(w):
+    import qwix
+    return qwix.ragged_dot(x, w.astype(x.dtype), sizes)
+  return jax.lax.ragged_dot(x, w.astype(x.dtype), sizes)
+
+
+def weight_bytes(params) -> dict[str, int]:
+  """Bytes of the quantised values, of their scales, and of everything else."""
+  out = {"qvalue": 0, "scale": 0, "other": 0}
+  for w in jax.tree_util.tree_leaves(params, is_leaf=is_qarray):
+    if is_qarray(w):
+      out["qvalue"] += int(np.prod(w.qvalue.shape)) * jnp.dtype(w.qvalue.dtype).itemsize
+      out["scale"] += int(np.prod(w.scale.shape)) * jnp.dtype(w.scale.dtype).itemsize
+    else:
+      out["other"] += int(np.prod(w.shape)) * jnp.dtype(w.dtype).itemsize
+  return out

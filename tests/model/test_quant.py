@@ -1,0 +1,121 @@
+"""8-bit weights (model/quant.py): the quantisation by hand, the tiles, and the quantised forward against the
+plain reference (the same forward on the dequantised weights) and against fp32 on the golden tiny models."""
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dinfer_jax
+from dinfer_jax.model import moe
+from dinfer_jax.model import quant
+from dinfer_jax.model.transformer import forward
+
+GOLD = pathlib.Path(__file__).parent.parent / "golden" / "forward"
+SCHEMES = [quant.QuantConfig(w, s, block=16) for w in ("int8", "fp8") for s in ("channel", "block")]
+# Measured (fp32 logits, input_ids.npy, block 16) over the three golden models: max |error| and mean |error|
+# per scheme. int8: max 0.08 / 0.53 (channel / block; the block case is one routing flip on tiny_llada2_moe),
+# mean <= 0.012 / 0.019; fp8 (3 mantissa bits): max 0.58 / 1.19, mean <= 0.054 / 0.076. Bounds: 1.5x the
+# largest mean; the mean logit magnitude is ~0.8.
+MEAN_BOUND = {"int8": 0.03, "fp8": 0.12}
+
+
+def _ids(s):
+  return f"{s.weights}-{s.scales}"
+
+
+def test_int8_channel_by_hand():
+  w = np.array([[1.0, -2.0], [0.5, 4.0], [-0.25, 1.0]], np.float32)  # [D=3, F=2]: scales per column
+  q = quant.quantize_leaf(("mlp", "gate"), w, quant.QuantConfig("int8", "channel"))
+  # qwix's int8 bound is 127.5 (the +-absmax ends round to -128 / clip to 127: the top bucket is used).
+  scale = np.array([[1.0 / 127.5, 4.0 / 127.5]])
+  np.testing.assert_allclose(np.asarray(q.scale), scale, rtol=1e-6)
+  expect = np.clip(np.round(w / scale), -128, 127)
+  np.testing.assert_array_equal(np.asarray(q.qvalue), expect.astype(np.int8))
+  assert int(q.qvalue[1, 1]) == 127 and int(q.qvalue[0, 1]) == -64
+  assert q.qvalue.dtype == jnp.int8 and q.scale.dtype == jnp.float32
+
+
+def test_fp8_block_by_hand():
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(4, 6)).astype(np.float32)
+  w[0, 0] = 10.0  # one block gets a large scale, the others keep theirs
+  qc = quant.QuantConfig("fp8", "block", block=2)
+  q = quant.quantize_leaf(("mlp", "down"), w, qc)
+  assert q.scale.shape == (2, 3)
+  for i in range(2):
+    for j in range(3):
+      blk = w[2 * i:2 * i + 2, 2 * j:2 * j + 2]
+      s = np.abs(blk).max() / 448.0
+      np.testing.assert_allclose(float(q.scale[i, j]), s, rtol=1e-6)
+      np.testing.assert_array_equal(np.asarray(q.qvalue[2 * i:2 * i + 2, 2 * j:2 * j + 2]),
+                                    np.asarray(jnp.asarray(blk / s).astype(jnp.float8_e4m3fn)))
+  deq = np.asarray(quant.dequantize(q))
+  assert np.abs(deq - w).max() <= np.abs(w).max() * 2 ** -4  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("path,shape,qc,tiles", [
+    # q [D, N, H]: 128-blocks of (N, H) are 2 heads of 64, or half a head of 256.
+    (("q",), (256, 4, 64), quant.QuantConfig("fp8", "block"), (128, 2, 64)),
+    (("q",), (256, 2, 256), quant.QuantConfig("fp8", "block"), (128, 1, 128)),
+    (("moe_layers", "o"), (3, 4, 64, 256), quant.QuantConfig("int8", "block"), (1, 2, 64, 128)),
+    (("experts", "gate"), (8, 256, 512), quant.QuantConfig("int8", "block"), (1, 128, 128)),
+    (("experts", "gate"), (8, 64, 96), quant.QuantConfig("int8", "block"), (1, 64, 96)),  # < 1 block: whole
+    (("q",), (256, 4, 64), quant.QuantConfig("int8", "channel"), (256, 1, 1)),
+    (("experts", "down"), (2, 8, 128, 64), quant.QuantConfig("int8", "channel"), (1, 1, 1, 64)),
+    (("shared", "down"), (128, 64), quant.QuantConfig("int8", "channel"), (128, 1)),
+])
+def test_tiles(path, shape, qc, tiles):
+  assert quant.tile_shape(path, shape, qc) == tiles
+
+
+def test_untileable_shape_names_the_leaf():
+  with pytest.raises(ValueError, match=r"experts/gate \(8, 192, 256\).*192.*128"):
+    quant.tile_shape(("experts", "gate"), (8, 192, 256), quant.QuantConfig("fp8", "block"))
+  with pytest.raises(ValueError, match="weights must be one of"):
+    quant.QuantConfig("int4")
+
+
+def test_only_the_matmul_weights_are_quantised():
+  m = dinfer_jax.load(GOLD / "tiny_llada_moe", dtype="float32")
+  qp = quant.quantize_params(m.params, "int8")
+  flat = jax.tree_util.tree_flatten_with_path(qp, is_leaf=quant.is_qarray)[0]
+  names = {"/".join(str(getattr(k, "key", k)) for k in path): quant.is_qarray(x) for path, x in flat}
+  assert all(names[k] for k in names if k.split("/")[-1] in ("q", "k", "v", "o", "gate", "up", "down"))
+  assert not any(names[k] for k in names if k.split("/")[-1] in ("embed", "lm_head", "router", "attn_norm",
+                                                                 "q_norm", "final_norm"))
+  b = quant.weight_bytes(qp)
+  assert b["qvalue"] > 0 and b["scale"] * 10 < b["qvalue"]
+
+
+@pytest.mark.parametrize("qc", SCHEMES, ids=_ids)
+@pytest.mark.parametrize("name", ["tiny_llada_moe", "tiny_llada", "tiny_llada2_moe"])
+def test_quantised_forward_matches_dequantised_reference(name, qc):
+  m = dinfer_jax.load(GOLD / name, dtype="float32")
+  cfg = m.config
+  x0 = jnp.asarray(np.load(GOLD / name / "input_ids.npy"))
+  qp = quant.quantize_params(m.params, qc)
+  ref = forward(quant.dequantize_params(qp), cfg, x0, moe_impl="loop" if cfg.n_moe_layers else None).logits
+  # Every MoE kernel on one scheme per model; the default kernel on the others (compiles are most of the time).
+  impls = list(moe.EXPERT_KERNELS) if cfg.n_moe_layers and qc == SCHEMES[0] else [None]
+  for impl in impls:
+    out = jax.jit(lambda p, x: forward(p, cfg, x, moe_impl=impl).logits)(qp, x0)
+    assert float(jnp.abs(out - ref).max()) <= 1e-5, impl
+  # ... and the quantisation error against the fp32 weights, bounded by what was measured.
+  full = forward(m.params, cfg, x0).logits
+  err = jnp.abs(out - full)
+  assert 1e-4 < float(err.mean()) <= MEAN_BOUND[qc.weights]
+
+
+def test_quantised_generate_matches_dequantised_reference():
+  """The engine (jit, while loops, per-layer weights) takes the quantised tree as it takes a plain one."""
+  from dinfer_jax.engine.config import GenerationConfig
+  from dinfer_jax.engine.generate import generate
+  m = dinfer_jax.load("default", quantize="fp8")
+  gcfg = GenerationConfig(gen_length=16, block_length=8, cache="dual", threshold=0.9)
+  prompts = [[5, 6, 7, 8, 9, 10], [9, 10, 11]]
+  a = generate(m, prompts, gcfg)
+  b = generate((quant.dequantize_params(m.params), m.config), prompts, gcfg)
+  assert [list(t) for t in a.tokens] == [list(t) for t in b.tokens]
+  assert a.nfe == b.nfe and sum(map(len, a.tokens)) > 0
