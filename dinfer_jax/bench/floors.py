@@ -6,24 +6,28 @@ from dinfer_jax.config import ModelConfig
 
 
 def bytes_per_forward(cfg: ModelConfig, *, dtype_bytes: int, batch: int, tokens: int, kv_len: int,
-                      logits_tokens: int) -> dict[str, float]:
+                      logits_tokens: int, quant_bytes: float | None = None) -> dict[str, float]:
   """Bytes one forward must move from HBM at least.
 
+  quant_bytes: bytes per element of the attention projections, FFN and expert kernels when they are stored
+  quantised (model/quant.py: 1, scales not counted: < 1% at 128-wide tiles); default dtype_bytes.
   weights: attention (q, k, v, o), norms, router, the touched experts of every layer, the LM head;
   embed: the looked-up rows; kv: the K/V of every layer the forward attends to (read) plus its own K/V.
   Expected distinct experts per layer for n routed pairs: E * (1 - (1 - k/E)^n)."""
   D, N, K, H, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
-  attn = D * N * H * 2 + D * K * H * 2 + 2 * D + (2 * H if cfg.qk_norm else 0)
+  q = dtype_bytes if quant_bytes is None else quant_bytes  # the matmul kernels' bytes per element
+  attn = (D * N * H * 2 + D * K * H * 2) * q + (2 * D + (2 * H if cfg.qk_norm else 0)) * dtype_bytes
   per_layer = attn
   touched = 0.0
+  moe = 0.0
   if cfg.n_moe_layers:
     pairs = batch * tokens * cfg.n_experts_per_tok
     touched = cfg.n_experts * (1.0 - (1.0 - cfg.n_experts_per_tok / cfg.n_experts) ** pairs)
     expert = 3 * D * cfg.expert_ffn_dim
-    moe = D * cfg.n_experts + touched * expert + 3 * D * cfg.shared_expert_ffn_dim
-  dense = 3 * D * cfg.ffn_dim
-  weights = (cfg.n_dense_layers * (per_layer + dense) + cfg.n_moe_layers * (per_layer + (moe if cfg.n_moe_layers else 0))
-             + D + D * V) * dtype_bytes
+    moe = D * cfg.n_experts * dtype_bytes + (touched * expert + 3 * D * cfg.shared_expert_ffn_dim) * q
+  dense = 3 * D * cfg.ffn_dim * q
+  weights = (cfg.n_dense_layers * (per_layer + dense) + cfg.n_moe_layers * (per_layer + moe)
+             + (D + D * V) * dtype_bytes)
   embed = batch * tokens * D * dtype_bytes
   kv = 2 * cfg.n_layers * batch * (kv_len + tokens) * K * H * dtype_bytes
   return {"weights": weights, "embed": embed, "kv": kv, "total": weights + embed + kv,

@@ -291,6 +291,27 @@ def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
   return out
 
 
+_EIGHT_BIT = ("s8", "u8", "f8e4m3fn", "f8e5m2")
+
+
+def dequantized_copies(mod: Module) -> float:
+  """Bytes written by kernels that turn an 8-bit array into a wider one of as many elements outside a GEMM:
+  a dequantised weight materialised in HBM (a GEMM that reads 8-bit weights converts them in its operand
+  load, inside a kCustom fusion or a custom call, and writes nothing of the kind)."""
+  out = 0.0
+  for comp in mod.comps.values():
+    for _, result, op, rest in comp:
+      if op != "fusion" or "kind=kCustom" in rest:
+        continue
+      res = arrays(result)
+      if len(res) != 1 or res[0][0] in _EIGHT_BIT:
+        continue
+      n = int(np.prod(res[0][1]))
+      if any(dt in _EIGHT_BIT and int(np.prod(shape)) == n for dt, shape in mod.operands(rest)):
+        out += nbytes(res)
+  return out
+
+
 @dataclasses.dataclass
 class Syncs:
   """Host reads of the generate program: per step (the loop that runs one forward per iteration) and per
@@ -358,4 +379,4 @@ def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, 
           "kernels": k.total, "graphs": k.graphs, "kernels_in_graphs": k.in_graphs, "separate_launches": k.separate,
           "kernels_by_kind": dict(k.by_kind), "kernel_overhead_s": overhead, "grouped_gemm_calls": gg.calls,
           "grouped_gemm_pad_flops": gg.padded_flops - gg.routed_flops, "grouped_gemm_empty_s": empty,
-          "gather_scatter_overcount_bytes": cost["bytes"] - moved}
+          "gather_scatter_overcount_bytes": cost["bytes"] - moved, "dequantized_copy_bytes": dequantized_copies(mod)}

@@ -42,6 +42,7 @@ from dinfer_jax.bench import presets
 from dinfer_jax.bench import realistic
 from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward
 from dinfer_jax.bench.throughput import cached_kind, forward_programs
+from dinfer_jax.cli_common import QUANTIZE_CHOICES
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine import iteration
 from dinfer_jax.engine import loop
@@ -49,6 +50,7 @@ from dinfer_jax.engine.loop import _decode_rows, _init_rows
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.model import moe
 from dinfer_jax.model import params as params_lib
+from dinfer_jax.model import quant
 
 DINFER_TPF = 3.87  # dInfer, LLaDA-MoE, threshold 0.8 + smoothing + vicinity, dual cache (paper Table 1)
 
@@ -334,8 +336,18 @@ def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype) -> dict[st
   return out
 
 
+def abstract_inference_params(cfg, dtype, weights: str = "bf16"):
+  """The engine's per-layer param layout (generate.inference_params) as ShapeDtypeStructs, with the matmul
+  weights as abstract QArrays for 8-bit `weights` (model/quant.py)."""
+  tree = params_lib.abstract_params(cfg, dtype)
+  qc = quant.QuantConfig.parse(weights)
+  if qc is not None:
+    tree = jax.eval_shape(lambda p: quant.quantize_params(p, qc), tree)
+  return params_lib.unstack_layers(tree, take=lambda a, i: jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
+
+
 def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dtype=jnp.bfloat16,
-                 with_generate: bool = True, setting: str = "dinfer",
+                 with_generate: bool = True, setting: str = "dinfer", weights: str = "bf16",
                  charges: realistic.Charges = realistic.H200) -> list[dict[str, Any]]:
   """One row per forward kind (refresh/full and cached) plus one for the generate program.
 
@@ -347,10 +359,9 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   gcfg = generation_config(preset, cache, setting)
   lay, static = gen_lib.prepare(cfg, _prompts(cfg, batch, preset.prompt_length), gcfg)
   grid = lay.grid
-  # The engine runs on the per-layer layout (generate.inference_params).
-  aparams = target.abstract(params_lib.unstack_layers(
-      params_lib.abstract_params(cfg, dtype), take=lambda a, i: jax.ShapeDtypeStruct(a.shape[1:], a.dtype)))
+  aparams = target.abstract(abstract_inference_params(cfg, dtype, weights))
   dbytes = jnp.dtype(dtype).itemsize
+  qbytes = None if quant.QuantConfig.parse(weights) is None else 1
   L, Tc, W = grid.block_len, grid.canvas_len, grid.window
   rows = []
   steps = {}
@@ -370,7 +381,8 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     step = steps["cached" if kind.startswith("cached") else "refresh"]
     tokens = Tc if kind == "full" else (int(kind.split("@")[1]) if "@" in kind else W)
     kv_len = 0 if kind == "full" else Tc
-    floor = bytes_per_forward(cfg, dtype_bytes=dbytes, batch=batch, tokens=tokens, kv_len=kv_len, logits_tokens=L)
+    floor = bytes_per_forward(cfg, dtype_bytes=dbytes, batch=batch, tokens=tokens, kv_len=kv_len, logits_tokens=L,
+                              quant_bytes=qbytes)
     floor_bytes = floor["total"] + batch * L * cfg.vocab_size * 4  # fp32 logits written
     routed = flops_per_forward(cfg, batch=batch, tokens=tokens, kv_len=Tc, logits_tokens=L)
     with moe.target_backend(target.backend):
@@ -379,7 +391,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
         impl += "/tokamax" if (target.kind == "cuda" and moe.has_gpu_grouped_gemm()) else "/xla"
     rows.append({
         "preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch, "cache": cache,
-        "kind": "refresh" if (kind == "full" and cache != "none") else kind, "tokens": tokens, "kv_len": kv_len,
+        "weights": weights, "kind": "refresh" if (kind == "full" and cache != "none") else kind, "tokens": tokens, "kv_len": kv_len,
         "moe_impl": impl, "flops": cost["flops"], "bytes": cost["bytes"], **memory(compiled),
         "floor_bytes": floor_bytes, "bytes_over_floor": cost["bytes"] / floor_bytes, "routed_flops": routed,
         "flops_over_routed": cost["flops"] / routed, "roofline_ms": 1e3 * target.chip.roofline_s(cost["flops"], cost["bytes"]),
@@ -403,7 +415,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     commands = set(options.get("xla_gpu_enable_command_buffer", "").split(","))
     device_loop = {"WHILE", "CONDITIONAL"} <= commands and mc.host_ops == 0
     rows.append({"preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch,
-                 "cache": cache, "kind": "generate", "tokens": Tc, **memory(compiled), "host_ops": mc.host_ops,
+                 "cache": cache, "weights": weights, "kind": "generate", "tokens": Tc, **memory(compiled), "host_ops": mc.host_ops,
                  "while_loops": sum(len(mc._loops(c)) for c in mc.comps), "compile_s": compile_s, "setting": setting,
                  "device_loop": device_loop, "host_syncs_per_step": 0 if device_loop else syncs.per_step,
                  "host_syncs_per_block": 0 if device_loop else syncs.per_block,
@@ -436,9 +448,9 @@ def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float,
   preset = presets.get(preset_name)
   G, L = preset.gen_length, preset.block_length
   out = []
-  keys = sorted({(r["batch"], r["cache"]) for r in rows if r["kind"] != "generate"})
-  for batch, cache in keys:
-    mine = [r for r in rows if (r["batch"], r["cache"]) == (batch, cache)]
+  keys = sorted({(r["batch"], r["cache"], r.get("weights", "bf16")) for r in rows if r["kind"] != "generate"})
+  for batch, cache, weights in keys:
+    mine = [r for r in rows if (r["batch"], r["cache"], r.get("weights", "bf16")) == (batch, cache, weights)]
     fwd = [r for r in mine if r["kind"] != "generate"]
     gen = [r for r in mine if r["kind"] == "generate"]
     per_step = gen[0]["host_syncs_per_step"] if gen else None
@@ -448,7 +460,7 @@ def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float,
     floor_s = _generation_s({r["kind"]: r["floor_ms"] / 1e3 for r in fwd}, cache, G, L, tpf)
     real = {r["kind"]: (r["realistic_ms"] + r["step_ms"]) / 1e3 + (per_step or 0) * sync_s for r in fwd}
     real_s = _generation_s(real, cache, G, L, tpf, per_block_s=(per_block or 0) * sync_s)
-    out.append({"batch": batch, "cache": cache, "tpf": tpf, "generate_ms": 1e3 * gen_s,
+    out.append({"batch": batch, "cache": cache, "weights": weights, "tpf": tpf, "generate_ms": 1e3 * gen_s,
                 "predicted_tps_per_seq": G / gen_s, "predicted_tps_aggregate": batch * G / gen_s,
                 "floor_tps_per_seq": G / floor_s, "realistic_generate_ms": 1e3 * real_s,
                 "realistic_tps_per_seq": G / real_s, "realistic_tps_aggregate": batch * G / real_s,
@@ -457,8 +469,11 @@ def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float,
 
 
 def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str], target_kind: str,
-        tpf: float | None = None, with_generate: bool = True, progress=print, setting: str = "dinfer") -> dict[str, Any]:
-  """tpf: tokens per forward of the prediction; None takes the compiled setting's known figure (SETTINGS)."""
+        tpf: float | None = None, with_generate: bool = True, progress=print, setting: str = "dinfer",
+        weights: tuple[str, ...] = ("bf16",)) -> dict[str, Any]:
+  """tpf: tokens per forward of the prediction; None takes the compiled setting's known figure (SETTINGS).
+  weights: the weight formats compiled ("bf16", "int8", "fp8", "int8-block", "fp8-block"); the summary fields
+  are the first one's, and each 8-bit one's batch-1 figures get their own (..._fp8) beside bf16's."""
   if tpf is None:
     tpf = SETTINGS.get(setting)
     if tpf is None:
@@ -468,14 +483,15 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
     target = Target(target_kind, CHIPS[chip_name])
     label = target.label if target_kind == "cpu" else "deviceless CUDA compile"
     chip_rows = []
-    for cache in caches:
-      for b in batches:
-        new = forward_rows(target, preset_name, b, cache, with_generate=with_generate, setting=setting,
-                           charges=realistic.CHARGES[chip_name])
-        for r in new:
-          if progress:
-            progress(_line(r))
-        chip_rows += new
+    for w in weights:
+      for cache in caches:
+        for b in batches:
+          new = forward_rows(target, preset_name, b, cache, with_generate=with_generate, setting=setting,
+                             weights=w, charges=realistic.CHARGES[chip_name])
+          for r in new:
+            if progress:
+              progress(_line(r))
+          chip_rows += new
     rows += chip_rows
     predictions += [dict(p, chip=CHIPS[chip_name].name)
                     for p in predict(chip_rows, preset_name, tpf, realistic.CHARGES[chip_name])]
@@ -483,27 +499,47 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
                          "charges": {c: dataclasses.asdict(realistic.CHARGES[c]) for c in chips},
                          "tpf": tpf, "rows": rows, "predictions": predictions, "jax": jax.__version__,
                          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-  first = CHIPS[chips[0]].name
-  p1 = [p for p in predictions if p["chip"] == first and p["batch"] == 1 and p["cache"] == "dual"]
-  c1 = [r for r in rows if r["chip"] == first and r["batch"] == 1 and r["cache"] == "dual" and r["kind"] == "cached"]
-  p8 = [p for p in predictions if p["chip"] == first and p["batch"] == 8 and p["cache"] == "dual"]
-  g1 = [r for r in rows if r["chip"] == first and r["batch"] == 1 and r["cache"] == "dual" and r["kind"] == "generate"]
+  out.update(summary(rows, predictions, CHIPS[chips[0]].name, weights))
+  return out
+
+
+def summary(rows, predictions, chip: str, weights: tuple[str, ...]) -> dict[str, Any]:
+  """The JSON's top-level fields: the default preset's dual-cache figures for the first weight format, and
+  for each 8-bit one its batch-1 figures beside bf16's."""
+  def pick(items, batch, kind=None, w=weights[0]):
+    return [x for x in items if x["chip"] == chip and x["batch"] == batch and x["cache"] == "dual"
+            and x.get("weights", "bf16") == w and (kind is None or x["kind"] == kind)]
+  out: dict[str, Any] = {}
+  p1, c1, p8, g1 = pick(predictions, 1), pick(rows, 1, "cached"), pick(predictions, 8), pick(rows, 1, "generate")
   out["predicted_tps_batch1"] = p1[0]["predicted_tps_per_seq"] if p1 else None
   out["cached_bytes_over_floor_batch1"] = c1[0]["bytes_over_floor"] if c1 else None
   out["realistic_tps_batch1"] = p1[0]["realistic_tps_per_seq"] if p1 else None
   out["realistic_tps_batch8_aggregate"] = p8[0]["realistic_tps_aggregate"] if p8 else None
   out["kernels_per_cached_forward_batch1"] = c1[0]["kernels"] if c1 else None
   out["host_syncs_per_step"] = g1[0]["host_syncs_per_step"] if g1 else None
+  for w in weights:
+    if quant.QuantConfig.parse(w) is None:
+      continue
+    tag = w.replace("-", "_")
+    q1, qc1 = pick(predictions, 1, w=w), pick(rows, 1, "cached", w=w)
+    b1 = pick(rows, 1, "cached", w="bf16")
+    out[f"cached_bytes_{tag}_over_bf16_batch1"] = qc1[0]["bytes"] / b1[0]["bytes"] if qc1 and b1 else None
+    out[f"predicted_tps_batch1_{tag}"] = q1[0]["predicted_tps_per_seq"] if q1 else None
+    out[f"realistic_tps_batch1_{tag}"] = q1[0]["realistic_tps_per_seq"] if q1 else None
+    q8 = pick(predictions, 8, w=w)
+    out[f"realistic_tps_batch8_aggregate_{tag}"] = q8[0]["realistic_tps_aggregate"] if q8 else None
+    out[f"dequantized_copy_bytes_{tag}"] = sum(r["dequantized_copy_bytes"] for r in rows
+                                               if r.get("weights") == w and r["kind"] != "generate")
   return out
 
 
 def _line(r: dict[str, Any]) -> str:
   if r["kind"] == "generate":
-    return (f"{r['chip']} b{r['batch']} {r['cache']} generate: temp {r['temp_bytes'] / 1e9:.2f} GB, "
+    return (f"{r['chip']} b{r['batch']} {r['cache']} {r.get('weights', 'bf16')} generate: temp {r['temp_bytes'] / 1e9:.2f} GB, "
             f"host ops {r['host_ops']}, host syncs {r['host_syncs_per_step']} per step + {r['host_syncs_per_block']} "
             f"per block (device loop {r['device_loop']}; host-driven {r['host_driven_syncs_per_step']} + "
             f"{r['host_driven_syncs_per_block']}), compile {r['compile_s']:.1f} s")
-  return (f"{r['chip']} b{r['batch']} {r['cache']} {r['kind']} ({r['moe_impl']}): {r['flops'] / 1e12:.2f} TFLOP, "
+  return (f"{r['chip']} b{r['batch']} {r['cache']} {r.get('weights', 'bf16')} {r['kind']} ({r['moe_impl']}): {r['flops'] / 1e12:.2f} TFLOP, "
           f"{r['bytes'] / 1e9:.2f} GB (floor {r['floor_bytes'] / 1e9:.2f}, x{r['bytes_over_floor']:.2f}), "
           f"{r['roofline_ms']:.2f} ms ideal, {r['realistic_ms']:.2f} ms realistic ({r['kernels']} kernels) + "
           f"{r['step_ms']:.2f} ms outside the forward, temp {r['temp_bytes'] / 1e9:.2f} GB, compile {r['compile_s']:.1f} s")
@@ -511,37 +547,41 @@ def _line(r: dict[str, Any]) -> str:
 
 def markdown(res: dict[str, Any]) -> str:
   lines = [f"{res['preset']}, {res['label']}, jax {res['jax']}, {res['date']}", "",
-           "| chip | batch | cache | forward | MoE | TFLOP | routed TFLOP | GB | floor GB | bytes/floor | temp GB "
-           "| roofline ms | floor ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| chip | batch | cache | weights | forward | MoE | TFLOP | routed TFLOP | GB | floor GB | bytes/floor | temp GB "
+           "| roofline ms | floor ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in res["rows"]:
     if r["kind"] == "generate":
       continue
-    lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r['kind']} | {r['moe_impl']} | {r['flops'] / 1e12:.3f} "
+    lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r.get('weights', 'bf16')} | {r['kind']} | {r['moe_impl']} | {r['flops'] / 1e12:.3f} "
                  f"| {r['routed_flops'] / 1e12:.3f} | {r['bytes'] / 1e9:.2f} | {r['floor_bytes'] / 1e9:.2f} "
                  f"| {r['bytes_over_floor']:.2f} | {r['temp_bytes'] / 1e9:.3f} | {r['roofline_ms']:.2f} | {r['floor_ms']:.2f} |")
   lines += ["", "Realistic (achievable peaks, kernel floors, grouped GEMM tiles, gather at its rows; bench.realistic):", "",
-            "| chip | batch | cache | forward | kernels (in CUDA graphs / separate) | GB | TFLOP | grouped GEMM pad TFLOP "
-            "| kernel floors ms | empty grid ms | realistic ms | outside the forward ms (kernels) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| chip | batch | cache | weights | forward | kernels (in CUDA graphs / separate) | GB | TFLOP "
+            "| grouped GEMM pad TFLOP | kernel floors ms | empty grid ms | realistic ms | outside the forward ms (kernels) "
+            "| dequantised copies GB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in res["rows"]:
     if r["kind"] == "generate":
       continue
-    lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r['kind']} | {r['kernels']} ({r['kernels_in_graphs']} / "
+    lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r.get('weights', 'bf16')} | {r['kind']} "
+                 f"| {r['kernels']} ({r['kernels_in_graphs']} / "
                  f"{r['separate_launches']}) | {r['realistic_bytes'] / 1e9:.2f} | {r['realistic_flops'] / 1e12:.3f} "
                  f"| {r['grouped_gemm_pad_flops'] / 1e12:.3f} | {r['kernel_overhead_s'] * 1e3:.2f} "
-                 f"| {r['grouped_gemm_empty_s'] * 1e3:.2f} | {r['realistic_ms']:.2f} | {r['step_ms']:.2f} ({r['step_kernels']}) |")
-  lines += ["", "| chip | batch | cache | generate program temp GB | host transfers | device loop | host syncs per step "
-            "/ per block | host-driven: per step / per block | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+                 f"| {r['grouped_gemm_empty_s'] * 1e3:.2f} | {r['realistic_ms']:.2f} | {r['step_ms']:.2f} ({r['step_kernels']}) "
+                 f"| {r.get('dequantized_copy_bytes', 0) / 1e9:.2f} |")
+  lines += ["", "| chip | batch | cache | weights | generate program temp GB | host transfers | device loop | host syncs per step "
+            "/ per block | host-driven: per step / per block | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in res["rows"]:
     if r["kind"] == "generate":
-      lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r['temp_bytes'] / 1e9:.3f} | {r['host_ops']} "
+      lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r.get('weights', 'bf16')} | {r['temp_bytes'] / 1e9:.3f} "
+                   f"| {r['host_ops']} "
                    f"| {r['device_loop']} | {r['host_syncs_per_step']} / {r['host_syncs_per_block']} "
                    f"| {r['host_driven_syncs_per_step']} / {r['host_driven_syncs_per_block']} | {r['compile_s']:.1f} |")
   lines += ["", f"Setting {res['setting']}, TPF {res['tpf']}:", "",
-            "| chip | batch | cache | ideal TPS per seq | ideal aggregate | realistic TPS per seq | realistic aggregate "
-            "| floor TPS per seq |", "|---|---|---|---|---|---|---|---|"]
+            "| chip | batch | cache | weights | ideal TPS per seq | ideal aggregate | realistic TPS per seq "
+            "| realistic aggregate | floor TPS per seq |", "|---|---|---|---|---|---|---|---|---|"]
   for p in res["predictions"]:
-    lines.append(f"| {p['chip']} | {p['batch']} | {p['cache']} | {p['predicted_tps_per_seq']:.0f} "
+    lines.append(f"| {p['chip']} | {p['batch']} | {p['cache']} | {p.get('weights', 'bf16')} "
+                 f"| {p['predicted_tps_per_seq']:.0f} "
                  f"| {p['predicted_tps_aggregate']:.0f} | {p['realistic_tps_per_seq']:.0f} "
                  f"| {p['realistic_tps_aggregate']:.0f} | {p['floor_tps_per_seq']:.0f} |")
   return "\n".join(lines)
@@ -560,6 +600,9 @@ def main(argv=None) -> int:
                        "threshold = plain threshold 0.8 (needs --tpf)")
   ap.add_argument("--tpf", type=float, default=None,
                   help="tokens per forward for the predicted TPS (default: the setting's known figure)")
+  ap.add_argument("--weights", default="bf16",
+                  help="comma list of weight formats: bf16, int8, fp8 (per-channel scales), int8-block, fp8-block "
+                       "(128x128 blocks); 8-bit ones add ..._fp8 summary fields beside bf16's")
   ap.add_argument("--no-generate", action="store_true", help="skip compiling the whole generate program")
   ap.add_argument("--json", dest="json_out", default=None)
   args = ap.parse_args(argv)
@@ -577,10 +620,14 @@ def main(argv=None) -> int:
   bad = [c for c in caches if c not in ("none", "prefix", "dual")]
   if bad:
     raise SystemExit(f"--caches: unknown {bad}; choose from none, prefix, dual")
+  weights = tuple(w.strip() for w in args.weights.split(",") if w.strip())
+  bad = [w for w in weights if w != "bf16" and w not in QUANTIZE_CHOICES]
+  if bad or not weights:
+    raise SystemExit(f"--weights: unknown {bad}; choose from bf16, {', '.join(QUANTIZE_CHOICES)}")
   target = args.target or ("cuda" if cuda_plugin_available() else "cpu")
   try:
     res = run(args.preset, chips, batches, caches, target, args.tpf, with_generate=not args.no_generate,
-              setting=args.setting)
+              setting=args.setting, weights=weights)
   except ValueError as e:
     raise SystemExit(str(e)) from None
   res["command"] = "python -m dinfer_jax.bench.roofline " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -588,6 +635,9 @@ def main(argv=None) -> int:
   print(f"\npredicted_tps_batch1: {res['predicted_tps_batch1']}")
   for key in ("cached_bytes_over_floor_batch1", "realistic_tps_batch1", "realistic_tps_batch8_aggregate",
               "kernels_per_cached_forward_batch1", "host_syncs_per_step"):
+    print(f"{key}: {res[key]}")
+  tags = ["_" + w.replace("-", "_") for w in weights if w != "bf16"]
+  for key in sorted(k for k in res if any(k.endswith(t) or f"{t}_over" in k for t in tags)):
     print(f"{key}: {res[key]}")
   if args.json_out:
     path = pathlib.Path(args.json_out)

@@ -22,9 +22,9 @@ from dinfer_jax.checkpoint.converted import is_converted_checkpoint, load_conver
 from dinfer_jax.checkpoint.errors import CheckpointError
 from dinfer_jax.checkpoint.hf import is_hf_checkpoint, load_hf_params, read_hf_config
 from dinfer_jax.checkpoint.keymap import LAYOUTS, expected_hf_keys
-from dinfer_jax.checkpoint.ops import hf2jax, inspect, jax2hf
+from dinfer_jax.checkpoint.ops import describe, hf2jax, inspect, jax2hf
 
 __all__ = [
-    "CheckpointError", "LAYOUTS", "expected_hf_keys", "hf2jax", "inspect", "is_converted_checkpoint",
+    "CheckpointError", "LAYOUTS", "describe", "expected_hf_keys", "hf2jax", "inspect", "is_converted_checkpoint",
     "is_hf_checkpoint", "jax2hf", "load_converted", "load_hf_params", "read_hf_config", "save_converted",
 ]

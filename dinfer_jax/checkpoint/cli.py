@@ -47,6 +47,10 @@ def main(argv=None, prog: str = "python -m convert") -> int:
   h.add_argument("src")
   h.add_argument("dst")
   h.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  h.add_argument("--quantize", default=None, choices=("int8", "fp8"),
+                 help="store the attention/FFN/expert weights in 8 bits with their scales (model/quant.py)")
+  h.add_argument("--scales", default="channel", choices=("channel", "block"),
+                 help="with --quantize: one scale per output channel, or per 128x128 block of [out, in]")
   h.add_argument("--allow-nonfinite", action="store_true",
                  help="convert weights holding NaN/Inf values (with a warning) instead of refusing them")
   _add_overwrite_flags(h)
@@ -70,15 +74,19 @@ def main(argv=None, prog: str = "python -m convert") -> int:
   # FATAL, not ERROR: a failed write (disk full) is logged by orbax's writer thread with its whole
   # traceback before the error reaches us; we report it once, in one line.
   absl_logging.set_verbosity(absl_logging.FATAL)
-  from dinfer_jax.checkpoint import CheckpointError, hf2jax, inspect, jax2hf
+  from dinfer_jax.checkpoint import CheckpointError, describe, hf2jax, inspect, jax2hf
   from dinfer_jax.checkpoint.outdir import Interrupted, remove_when_quiet
   from dinfer_jax.config import ConfigError
 
   try:
     if args.cmd == "hf2jax":
+      if args.quantize is None and args.scales != "channel":
+        raise CheckpointError("--scales needs --quantize int8|fp8")
+      quantize = None if args.quantize is None else f"{args.quantize}-{args.scales}"
       s = hf2jax(args.src, args.dst, args.dtype, overwrite=args.overwrite, replace_unmarked=_replace_unmarked(args),
-                 allow_nonfinite=args.allow_nonfinite)
-      print(f"hf2jax: {s['family']} ({s['layout']}, {s['source_dtype']}) -> {args.dst} ({s['dtype']}): "
+                 allow_nonfinite=args.allow_nonfinite, quantize=quantize)
+      q = f", {s['quantization']}" if s["quantization"] else ""
+      print(f"hf2jax: {s['family']} ({s['layout']}, {s['source_dtype']}) -> {args.dst} ({s['dtype']}{q}): "
             f"{s['tensors']} tensors, {s['n_params']:,} params, {_gb(s['bytes'])} "
             f"({_gb(s['disk_bytes'])} on disk), {s['seconds']:.1f} s")
     elif args.cmd == "jax2hf":
@@ -88,6 +96,9 @@ def main(argv=None, prog: str = "python -m convert") -> int:
             f"{s['files']} file(s), {s['n_params']:,} params, {_gb(s['bytes'])}, {s['seconds']:.1f} s")
     else:
       rows = inspect(args.path)
+      fmt = describe(args.path)
+      if fmt:
+        print(fmt)
       shown = rows[:args.limit] if args.limit else rows
       w = max((len(n) for n, _, _ in shown), default=0)
       for name, shape, dt in shown:

@@ -184,9 +184,19 @@ def _flat(tree) -> dict[tuple[str, ...], Any]:
   return {tuple(getattr(k, "key", str(k)) for k in path): x for path, x in leaves}
 
 
-def check_tree(params, cfg: ModelConfig, dtype) -> None:
-  """Same structure, shapes and dtypes as abstract_params(cfg, dtype); the error names the leaf."""
-  want = _flat(abstract_params(cfg, dtype))
+def expected_tree(cfg: ModelConfig, dtype, quantization: Mapping[str, Any] | None = None):
+  """abstract_params(cfg, dtype), in the storage form of model/quant.py when the checkpoint is quantised."""
+  tree = abstract_params(cfg, dtype)
+  if quantization:
+    from dinfer_jax.model import quant
+    tree = quant.abstract_storage(tree, quant.QuantConfig(**quantization))
+  return tree
+
+
+def check_tree(params, cfg: ModelConfig, dtype, quantization: Mapping[str, Any] | None = None) -> None:
+  """Same structure, shapes and dtypes as abstract_params(cfg, dtype) (quantised: its storage form); the
+  error names the leaf."""
+  want = _flat(expected_tree(cfg, dtype, quantization))
   got = _flat(params)
   for p in want:
     if p not in got:
@@ -205,7 +215,8 @@ def check_tree(params, cfg: ModelConfig, dtype) -> None:
 
 def tree_dtype(params) -> np.dtype:
   """The weight dtype of a tree (the dtype of its non-fp32-by-design leaves), which must be uniform."""
-  dts = {np.dtype(x.dtype) for p, x in _flat(params).items() if p[-1] not in FP32_PARAMS}
+  from dinfer_jax.model.quant import STORED_PARTS  # quantised leaves keep their own dtypes
+  dts = {np.dtype(x.dtype) for p, x in _flat(params).items() if p[-1] not in FP32_PARAMS + STORED_PARTS}
   if len(dts) != 1:
     raise CheckpointError(f"params: leaves have mixed dtypes {sorted(d.name for d in dts)}; expected one weight dtype")
   return norm_dtype(dts.pop())
@@ -233,6 +244,13 @@ def read_meta(path: os.PathLike) -> dict[str, Any]:
                           f"(this code reads version {FORMAT_VERSION})")
   if meta.get("dtype") not in DTYPES:
     raise CheckpointError(f"{f}: unknown dtype {meta.get('dtype')!r}")
+  q = meta.get("quantization")
+  if q is not None:
+    from dinfer_jax.model import quant
+    try:
+      quant.QuantConfig(**q)
+    except (TypeError, ValueError) as e:
+      raise CheckpointError(f"{f}: bad quantization {q!r}: {e}") from None
   if not (p / PARAMS_DIR).is_dir():
     raise CheckpointError(f"{p}: {PARAMS_DIR}/ not found")
   return meta
@@ -254,7 +272,8 @@ def read_config_file(path: os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
 def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], *,
                    src_dir_for_tokenizer: os.PathLike | None = None, layout: str = "per_expert",
                    overwrite: bool = False, source_dtype: str | None = None,
-                   sources: Sequence[os.PathLike] = (), replace_unmarked: bool = False) -> dict[str, Any]:
+                   sources: Sequence[os.PathLike] = (), replace_unmarked: bool = False,
+                   quantization: Mapping[str, Any] | None = None) -> dict[str, Any]:
   """Writes a converted checkpoint atomically (see the module docstring for the layout).
 
   Args:
@@ -268,6 +287,8 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
     source_dtype: the HF weights' dtype, jax2hf's default output dtype; defaults to the params dtype.
     sources: directories the params are read from; dst may not be, contain or lie inside one of them.
     replace_unmarked: with overwrite, also replace a directory dinfer-jax did not write.
+    quantization: model.quant.QuantConfig fields when the matmul weights are 8-bit; params then hold them
+      in quant.to_storage's form ({"qvalue", "scale"} per weight) or as QArrays.
 
   Returns:
     {"n_params", "bytes", "dtype", "path"}.
@@ -278,13 +299,19 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
   if not isinstance(hf_config_dict, Mapping):
     raise CheckpointError("hf_config_dict must be a dict (the HF config.json content)")
   cfg = ModelConfig.from_hf_config(hf_config_dict)
+  if quantization:
+    from dinfer_jax.model import quant
+    quantization = quant.QuantConfig(**quantization).to_dict()
+    params = quant.to_storage(params)
   dtype = tree_dtype(params)
-  check_tree(params, cfg, dtype)
+  check_tree(params, cfg, dtype, quantization)
   flat = _flat(params)
   n_params = sum(int(np.prod(x.shape)) for x in flat.values())
   nbytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in flat.values())
   meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": cfg.family, "dtype": dtype.name,
           "source_layout": layout, "source_dtype": source_dtype or dtype.name, "n_params": n_params}
+  if quantization:
+    meta["quantization"] = dict(quantization)
   srcs = [*sources, *([src_dir_for_tokenizer] if src_dir_for_tokenizer is not None else [])]
   with atomic_dir(dst, overwrite, sources=srcs, replace_unmarked=replace_unmarked, kind="converted") as tmp:
     write_config(tmp, hf_config_dict, src_dir_for_tokenizer)
@@ -336,8 +363,9 @@ def orbax_metadata(path: os.PathLike) -> dict[tuple[str, ...], Any]:
   return _flat(tree)
 
 
-def _check_stored(path: pathlib.Path, cfg: ModelConfig, dtype: np.dtype) -> None:
-  want = _flat(abstract_params(cfg, dtype))
+def _check_stored(path: pathlib.Path, cfg: ModelConfig, dtype: np.dtype,
+                  quantization: Mapping[str, Any] | None = None) -> None:
+  want = _flat(expected_tree(cfg, dtype, quantization))
   got = orbax_metadata(path)
   for p, w in want.items():
     if p not in got:
@@ -361,15 +389,18 @@ def load_converted(path: os.PathLike, *, dtype=None, shardings=None) -> tuple[An
       sharded restore never needs the whole model on one device. Default: the first device.
 
   Returns:
-    (params, ModelConfig, raw HF config dict).
+    (params, ModelConfig, raw HF config dict). A quantised checkpoint (dinfer_jax.json "quantization")
+    comes back with QArray matmul weights, stored values and fp32 scales as written; `dtype` applies to the
+    other leaves.
   """
   path = pathlib.Path(path).absolute()  # orbax takes absolute paths only
   meta = read_meta(path)
   cfg, raw = read_config_file(path)
   stored = norm_dtype(meta["dtype"])
   target = norm_dtype(dtype) if dtype is not None else stored
-  _check_stored(path, cfg, stored)
-  abstract = abstract_params(cfg, target)
+  quantization = meta.get("quantization")
+  _check_stored(path, cfg, stored, quantization)
+  abstract = expected_tree(cfg, target, quantization)
   if shardings is None:
     shardings = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   if isinstance(shardings, jax.sharding.Sharding):
@@ -397,7 +428,11 @@ def load_converted(path: os.PathLike, *, dtype=None, shardings=None) -> tuple[An
         out.append(r)
   except Exception as e:
     raise CheckpointError(f"{d}: restore failed: {type(e).__name__}: {e}") from e
-  return jax.tree_util.tree_unflatten(treedef, out), cfg, raw
+  params = jax.tree_util.tree_unflatten(treedef, out)
+  if quantization:
+    from dinfer_jax.model import quant
+    params = quant.from_storage(params)
+  return params, cfg, raw
 
 
 def restore_leaves_numpy(path: os.PathLike, leaves: list[tuple[str, ...]]) -> dict[tuple[str, ...], np.ndarray]:

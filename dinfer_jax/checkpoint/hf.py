@@ -116,15 +116,41 @@ class HFCheckpoint:
       self._shape_cache = {tuple(k.key for k in p): tuple(x.shape) for p, x in flat}
     return self._shape_cache
 
-  def lazy_params(self, dtype) -> dict[str, Any]:
-    """The param tree with LazyArray leaves: nothing is read until a leaf is materialised."""
+  def lazy_params(self, dtype, quantize=None) -> dict[str, Any]:
+    """The param tree with LazyArray leaves: nothing is read until a leaf is materialised. quantize (a
+    model.quant.QuantConfig): the matmul weights in quant.to_storage's form, {"qvalue", "scale"} LazyArrays
+    that build the leaf and quantise it once, when the first of the two is written (orbax writes them one
+    after the other)."""
     dtype = norm_dtype(dtype)
+    from dinfer_jax.model import quant
 
     def make(path, x):
       p = tuple(k.key for k in path)
-      return LazyArray(x.shape, x.dtype, lambda: self.build_leaf(p, dtype), ".".join(p))
+      build = lambda: self.build_leaf(p, dtype)  # noqa: E731
+      if quantize is None or quant.leaf_axes(p, len(x.shape)) is None:
+        return LazyArray(x.shape, x.dtype, build, ".".join(p))
+      parts = _QuantisedLeaf(p, build, quantize)
+      q = jax.eval_shape(lambda a: quant.quantize_leaf(p, a, quantize), x)
+      return {name: LazyArray(getattr(q, name).shape, getattr(q, name).dtype,
+                              (lambda n=name: parts.take(n)), ".".join(p + (name,)))
+              for name in quant.STORED_PARTS}
 
     return jax.tree_util.tree_map_with_path(make, abstract_params(self.cfg, dtype))
+
+
+class _QuantisedLeaf:
+  """One weight built and quantised once, handed out part by part; dropped after both parts are taken."""
+
+  def __init__(self, path, build, qc):
+    self.path, self.build, self.qc = path, build, qc
+    self.parts: dict[str, np.ndarray] = {}
+
+  def take(self, name: str) -> np.ndarray:
+    if not self.parts:
+      from dinfer_jax.model import quant
+      q = quant.quantize_leaf(self.path, self.build(), self.qc)
+      self.parts = {"qvalue": np.asarray(q.qvalue), "scale": np.asarray(q.scale)}
+    return self.parts.pop(name)
 
 
 def load_hf_params(path: os.PathLike, cfg: ModelConfig | None = None, dtype="bfloat16", *,

@@ -26,7 +26,7 @@ def _du(path: pathlib.Path) -> int:
 
 
 def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: bool = False,
-           replace_unmarked: bool = False, allow_nonfinite: bool = False) -> dict[str, Any]:
+           replace_unmarked: bool = False, allow_nonfinite: bool = False, quantize=None) -> dict[str, Any]:
   """HF checkpoint directory -> converted checkpoint directory (see converted.py for the layout).
 
   The whole HF checkpoint is validated from its headers first; then each param leaf is built from its HF
@@ -34,7 +34,9 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
   the HF tensor being copied (dinfer_jax/checkpoint/measure_memory.py measures it). DST may not be SRC, contain it or lie
   inside it; an existing DST is replaced only with overwrite, and only if dinfer-jax wrote it unless
   replace_unmarked (outdir.py). A NaN or Inf weight is an error naming the tensor and file, unless
-  allow_nonfinite (then a warning).
+  allow_nonfinite (then a warning). quantize ("int8", "fp8", "int8-block", "fp8-block" or a
+  model.quant.QuantConfig): the matmul weights are stored 8-bit with their scales, each quantised as it is
+  built (model/quant.py); the rest in `dtype`.
 
   Returns:
     Summary: tensors, n_params, bytes (param bytes in the target dtype), disk_bytes, layout, dtype,
@@ -42,13 +44,21 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
   """
   t0 = time.time()
   dtype = norm_dtype(dtype)
+  from dinfer_jax.model import quant
+  qc = quant.QuantConfig.parse(quantize)
   ck = HFCheckpoint(src, nonfinite="warn" if allow_nonfinite else "error")
-  out = save_converted(dst, ck.lazy_params(dtype), ck.raw_config, src_dir_for_tokenizer=src, layout=ck.layout,
+  out = save_converted(dst, ck.lazy_params(dtype, qc), ck.raw_config, src_dir_for_tokenizer=src, layout=ck.layout,
                        overwrite=overwrite, source_dtype=ck.source_dtype, sources=[src],
-                       replace_unmarked=replace_unmarked)
+                       replace_unmarked=replace_unmarked, quantization=qc.to_dict() if qc else None)
   return {"tensors": len(ck.entries), "n_params": out["n_params"], "bytes": out["bytes"],
           "disk_bytes": _du(pathlib.Path(dst)), "layout": ck.layout, "dtype": dtype.name,
-          "source_dtype": ck.source_dtype, "family": ck.cfg.family, "seconds": time.time() - t0}
+          "source_dtype": ck.source_dtype, "family": ck.cfg.family, "seconds": time.time() - t0,
+          "quantization": _quant_label(qc.to_dict() if qc else None)}
+
+
+def _quant_label(q) -> str | None:
+  return None if not q else f"{q['weights']} weights, {q['scales']} scales" + (
+      f" ({q['block']}x{q['block']})" if q["scales"] == "block" else "")
 
 
 def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None = None, overwrite: bool = False,
@@ -72,6 +82,9 @@ def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None
   t0 = time.time()
   src = pathlib.Path(src)
   meta = read_meta(src)
+  if meta.get("quantization"):
+    raise CheckpointError(f"{src}: holds {_quant_label(meta['quantization'])}; jax2hf writes bf16/fp16/fp32 "
+                          "checkpoints only (convert the HF source again without --quantize)")
   cfg, raw = read_config_file(src)
   layout = layout or meta.get("source_layout", "per_expert")
   out_dtype = norm_dtype(dtype if dtype is not None else meta.get("source_dtype") or meta["dtype"])
@@ -106,6 +119,16 @@ def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None
           "layout": layout, "dtype": out_dtype.name, "family": cfg.family, "seconds": time.time() - t0}
 
 
+def describe(path: os.PathLike) -> str | None:
+  """The weight format of a converted checkpoint in words (dtype, and the quantisation if any)."""
+  p = pathlib.Path(path)
+  if not is_converted_checkpoint(p):
+    return None
+  meta = read_meta(p)
+  q = _quant_label(meta.get("quantization"))
+  return f"format: {meta['dtype']}" + (f", matmul weights {q}" if q else "")
+
+
 def inspect(path: os.PathLike) -> list[tuple[str, tuple[int, ...], str]]:
   """[(name, shape, dtype name)] of either format: HF keys (sorted) or param leaf paths (dotted)."""
   p = pathlib.Path(path)
@@ -119,4 +142,4 @@ def inspect(path: os.PathLike) -> list[tuple[str, tuple[int, ...], str]]:
                         f"nor a converted one (dinfer_jax.json + {PARAMS_DIR}/)")
 
 
-__all__ = ["hf2jax", "jax2hf", "inspect", "is_hf_checkpoint"]
+__all__ = ["hf2jax", "jax2hf", "inspect", "describe", "is_hf_checkpoint"]

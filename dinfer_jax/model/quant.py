@@ -13,10 +13,12 @@ Scales (absmax calibration, symmetric, no zero point):
   head axes split out (q [D, N, H], o [N, H, D]); a block of 128 flattened (N, H) entries is a tile of
   (128 / H, H) for H <= 128 and (1, 128) for H >= 128, so a block checkpoint maps tile for tile.
 
-Activations stay in the model dtype and accumulation in fp32. The matmuls go through qwix (einsum,
-ragged_dot), which for a bf16 x QArray product dequantises the weight inside the expression so XLA fuses
-the convert-and-scale into the GEMM's operand load (the roofline bench checks that no dequantised weight
-is written to HBM); tokamax's Pallas-Triton grouped GEMM takes the QArray itself and scales in-kernel.
+Activations stay in the model dtype and accumulation in fp32. qwix provides the format (QArray), the
+quantisation and the dequantisation; tokamax's Pallas-Triton grouped GEMM takes the QArray itself and scales
+in-kernel. The XLA GEMMs (einsum below) multiply by the convert()ed 8-bit values and apply per-channel scales
+outside the product, because qwix's own weight-only einsum dequantises in front of the dot and XLA writes
+that bf16 weight to HBM before the GEMM reads it (measured on the roofline bench's H200 compile); the
+roofline bench reports the bytes of any such copy (`dequantized_copy_bytes`).
 """
 from __future__ import annotations
 
@@ -229,7 +231,8 @@ def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Ar
   HBM in 8 bits; qwix's own weight-only einsum dequantises (convert, then multiply by the scales) in front
   of the dot, and XLA writes that bf16 weight to HBM first (the roofline bench's H200 compile: 17.4 MB
   moved for a 2048 x 1024 int8 GEMM at 96 tokens, 9.0 MB this way). Block scales, which vary along the
-  contracted axes, go through qwix (correct, but the dequantised weight is materialised on GPU)."""
+  contracted axes, are dequantised in front of the product as qwix does (correct, but on GPU the dequantised
+  weight is materialised)."""
   dt = x.dtype
   out_dt = preferred_element_type or dt
   if not is_qarray(w):
@@ -243,8 +246,7 @@ def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Ar
   full = f"{xs_full},{ws_full}->{out_full}"
   scaled = [c for c, n, size in zip(ws_full, w.scale.shape, w.shape) if n != 1]
   if any(n not in (1, size) for n, size in zip(w.scale.shape, w.shape)):
-    import qwix
-    return qwix.einsum(full, x, w.astype(dt), preferred_element_type=preferred_element_type).astype(out_dt)
+    return _dequantized_einsum(full, x, w, preferred_element_type)
   s = w.scale.astype(jnp.float32).reshape([n for n in w.scale.shape if n != 1])
   q = w.qvalue.astype(dt)
   if all(c in out_full for c in scaled):
@@ -254,8 +256,13 @@ def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Ar
   if all(c in xs_full for c in scaled):
     xf = x.astype(jnp.float32) * jax.lax.broadcast_in_dim(s, x.shape, [xs_full.index(c) for c in scaled])
     return jnp.einsum(full, xf.astype(dt), q, preferred_element_type=preferred_element_type).astype(out_dt)
-  import qwix
-  return qwix.einsum(full, x, w.astype(dt), preferred_element_type=preferred_element_type).astype(out_dt)
+  return _dequantized_einsum(full, x, w, preferred_element_type)
+
+
+def _dequantized_einsum(spec: str, x: jax.Array, w, preferred_element_type) -> jax.Array:
+  """qwix's weight-only path for a bf16/fp32 x (dequantise in x's dtype, then the plain einsum): what block
+  scales need, since they vary along the contracted axes."""
+  return jnp.einsum(spec, x, dequantize(w, x.dtype), preferred_element_type=preferred_element_type)
 
 
 def ragged_dot(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
@@ -276,3 +283,32 @@ def weight_bytes(params) -> dict[str, int]:
     else:
       out["other"] += int(np.prod(w.shape)) * jnp.dtype(w.dtype).itemsize
   return out
+
+
+# ------------------------------------------------------------------------------- checkpoint storage form
+# A converted checkpoint stores each QArray as {"qvalue": ..., "scale": ...}: plain dict nodes, so orbax, the
+# tree checks and partial restores see ordinary arrays (checkpoint/converted.py).
+STORED_PARTS = ("qvalue", "scale")
+
+
+def to_storage(params):
+  """QArray leaves -> {"qvalue", "scale"} dicts."""
+  return jax.tree_util.tree_map(lambda w: {"qvalue": w.qvalue, "scale": w.scale} if is_qarray(w) else w,
+                                params, is_leaf=is_qarray)
+
+
+def from_storage(tree):
+  """{"qvalue", "scale"} dicts -> QArrays (the inverse of to_storage)."""
+  if isinstance(tree, dict):
+    if set(tree) == set(STORED_PARTS):
+      return make_qarray(tree["qvalue"], tree["scale"])
+    return {k: from_storage(v) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return type(tree)(from_storage(v) for v in tree)
+  return tree
+
+
+def abstract_storage(abstract_params, qc: QuantConfig):
+  """The storage form of abstract params quantised with qc: ShapeDtypeStructs (qvalue in qc.qtype, fp32
+  scales), without computing anything."""
+  return to_storage(jax.eval_shape(lambda p: quantize_params(p, qc), abstract_params))

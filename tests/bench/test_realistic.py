@@ -103,6 +103,38 @@ ENTRY %main (b: bf16[1,1280,16,128], i: s32[96,2], u: bf16[96,16,128]) -> bf16[1
   assert realistic.scatter_overcount(realistic.Module(text)) == 2 * buf - (upd + idx)
 
 
+def test_dequantized_weight_copies_are_found():
+  # The two shapes the H200 compile gives an int8 GEMM: qwix's dequantise-then-dot writes a bf16 copy of the
+  # weight (loop fusion of s8 and its scales), the output-scaled form converts inside the GEMM fusion.
+  text = """HloModule q
+
+%fused_multiply (q: s8[2048,1024], s: f32[1,1024]) -> bf16[2048,1024] {
+  %q = s8[2048,1024]{1,0} parameter(0)
+  %s = f32[1,1024]{1,0} parameter(1)
+  %c = bf16[2048,1024]{1,0} convert(%q)
+  ROOT %m = bf16[2048,1024]{1,0} multiply(%c, %c)
+}
+
+%gemm_fusion_dot_computation (x: bf16[96,2048], q: s8[2048,1024]) -> f32[96,1024] {
+  %x = bf16[96,2048]{1,0} parameter(0)
+  %q = s8[2048,1024]{1,0} parameter(1)
+  %c = bf16[2048,1024]{1,0} convert(%q)
+  ROOT %d = f32[96,1024]{1,0} dot(%x, %c), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[96,2048], q: s8[2048,1024], s: f32[1,1024]) -> f32[96,1024] {
+  %x = bf16[96,2048]{1,0} parameter(0)
+  %q = s8[2048,1024]{1,0} parameter(1)
+  %s = f32[1,1024]{1,0} parameter(2)
+  %deq = bf16[2048,1024]{1,0} fusion(%q, %s), kind=kLoop, calls=%fused_multiply
+  %g1 = f32[96,1024]{1,0} fusion(%x, %q), kind=kCustom, calls=%gemm_fusion_dot_computation
+  ROOT %g2 = f32[96,1024]{1,0} fusion(%x, %deq), kind=kCustom, calls=%gemm_fusion_dot_computation
+}
+"""
+  assert realistic.dequantized_copies(realistic.Module(text)) == 2048 * 1024 * 2
+  assert realistic.dequantized_copies(realistic.Module(_MODULE)) == 0
+
+
 def test_grouped_gemm_tiles_at_the_batch1_refresh():
   """LLaDA-MoE-7B-A1B's batch-1 refresh: 1280 tokens x 8 experts = 10240 rows over 64 experts (160 each),
   gate projection 2048 -> 1024. With tokamax's own 128-row tile: 2 row tiles per expert = 1.6x the routed
