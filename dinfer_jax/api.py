@@ -90,11 +90,14 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
       their tensor/expert-parallel shardings as they are read.
     quantize: None (as stored), "int8" or "fp8" (per-channel scales), "int8-block" / "fp8-block" (128x128
       blocks) or a model.quant.QuantConfig: the attention and FFN/expert weights are quantised on load
-      (model/quant.py); an already-quantised checkpoint is used as stored when this is None.
+      (model/quant.py). An 8-bit checkpoint (converted with --quantize, or an HF FP8 one with
+      weight_scale_inv blocks) loads as stored when this is None, and is requantised otherwise.
   """
   qc = quant.QuantConfig.parse(quantize)
   p = resolve_path(path)
   if checkpoint.is_converted_checkpoint(p):
+    if mesh is not None and checkpoint.converted.read_meta(p).get("quantization"):
+      raise ValueError(f"load: {p} holds 8-bit weights; loading them onto a mesh is not supported yet")
     cfg, _ = load_config(p)
     shardings = _shardings(cfg, dtype, mesh)
     params, cfg, _ = checkpoint.load_converted(p, dtype=dtype, shardings=shardings)
@@ -110,6 +113,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
   if qc is not None:
     if mesh is not None:
       raise ValueError("load: quantize= with a mesh is not supported yet; quantise unsharded (mesh=None)")
+    if quant.is_quantized(params):
+      # An 8-bit checkpoint asked for another format (e.g. FP8 block scales -> per-channel, the fast GEMM
+      # path): requantised from its dequantised values.
+      params = quant.dequantize_params(params, jnp.float32)
     params = quant.quantize_params(params, qc)
   return Model(config=cfg, params=params, tokenizer=load_tokenizer(p), mesh=mesh, path=str(p))
 

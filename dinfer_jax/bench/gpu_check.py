@@ -18,7 +18,8 @@ minutes on an H200, compiles included, so a 15-minute slot has room for a rerun)
 5. the Python-stepped loop (a jitted forward per step, a host sync per step) on the batch-1 generation:
    the engine's speedup over it;
 6. (GPU) item 3 with the host-driven loop (DINFER_JAX_DEVICE_LOOP=0) beside the device-driven one;
-7. batch 8: the forwards and the whole generate.
+7. --weights fp8,int8 (8-bit weights, quantised on the device): items 2 and 3 per format;
+8. batch 8: the forwards and the whole generate (per weight format).
 Random weights decode about one token per forward, so the generate rows say forwards per second and the
 prediction at the measured forward counts, not the trained model's tokens per second (tps_at_3.87_tpf is
 forwards/s x 3.87 per sequence).
@@ -48,6 +49,7 @@ from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.model import moe
 from dinfer_jax.model import params as params_lib
+from dinfer_jax.model import quant
 
 DINFER_TPF = roofline.DINFER_TPF
 PREDICTED_DIR = pathlib.Path(__file__).parent / "predicted"
@@ -160,13 +162,16 @@ def load_predictions(paths: list[pathlib.Path]) -> list[dict[str, Any]]:
   return out
 
 
-def predicted(preds: list[dict[str, Any]], preset: str, setting: str, batch: int) -> dict[str, Any] | None:
-  """The roofline bench's rows for this preset, setting and batch (dual cache, first chip): per forward kind
-  its ideal and realistic ms and the step's work outside it, and the generate program's host syncs."""
+def predicted(preds: list[dict[str, Any]], preset: str, setting: str, batch: int,
+              weights: str = "bf16") -> dict[str, Any] | None:
+  """The roofline bench's rows for this preset, setting, batch and weight format (dual cache, first chip): per
+  forward kind its ideal and realistic ms and the step's work outside it, and the generate program's host
+  syncs."""
   for res in preds:
     if res.get("preset") != preset or res.get("setting") != setting:
       continue
-    rows = [r for r in res["rows"] if r["batch"] == batch and r["cache"] == "dual"]
+    rows = [r for r in res["rows"] if r["batch"] == batch and r["cache"] == "dual"
+            and r.get("weights", "bf16") == weights]
     if not rows:
       continue
     fwd = {r["kind"]: r for r in rows if r["kind"] != "generate"}
@@ -271,10 +276,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   blocks = -(-G // L)
   scale = 0.02 if args.tiny else 1.0  # budget estimates per item (s) on an H200; the tiny run is quick
 
-  def fwd_item(B):
+  formats = {"bf16": params}
+
+  def weights_of(w):
+    """The params in weight format w, quantised on the device from the bf16 ones (model/quant.py)."""
+    if w not in formats:
+      qc = quant.QuantConfig.parse(w)
+      formats[w] = jax.block_until_ready(jax.jit(lambda p: quant.quantize_params(p, qc))(params))
+    return formats[w]
+
+  def fwd_item(B, w="bf16"):
     lay, static = gen_lib.prepare(cfg, _prompts(cfg, B, P), gcfgs["threshold"])
-    res = time_forwards(params, cfg, gcfgs["threshold"], lay, static, args.reps)
-    pred = predicted(preds, ck.res["shape"]["config"], "threshold", B)
+    res = time_forwards(weights_of(w), cfg, gcfgs["threshold"], lay, static, args.reps)
+    pred = predicted(preds, ck.res["shape"]["config"], "threshold", B, w)
     if pred:
       for kind, r in res.items():
         if kind in pred["fwd"]:
@@ -283,10 +297,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           r["predicted_kernels"] = pred["fwd"][kind]["kernels"]
     return res
 
-  def gen_item(B, setting):
+  def gen_item(B, setting, w="bf16"):
     prompts = _prompts(cfg, B, P)
-    out = time_generate(params, cfg, prompts, gcfgs[setting], args.repeats)
-    pred = predicted(preds, ck.res["shape"]["config"], setting, B)
+    out = time_generate(weights_of(w), cfg, prompts, gcfgs[setting], args.repeats)
+    pred = predicted(preds, ck.res["shape"]["config"], setting, B, w)
     if pred:
       p = predicted_generate_s(pred, out["n_full"], out["n_cached"], blocks)
       out["predicted_ideal_s"], out["predicted_realistic_s"] = p["ideal_s"], p["realistic_s"]
@@ -322,15 +336,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       out["same_nfe"] = out["nfe"] == eng["nfe"]
     return out
 
-  ck.item("forwards_b1", 60 * scale, lambda: fwd_item(1))
-  ck.item("generate_b1_threshold", 90 * scale, lambda: gen_item(1, "threshold"))
-  ck.item("generate_b1_dinfer", 90 * scale, lambda: gen_item(1, "dinfer"))
-  ck.item("stepped_b1_threshold", 45 * scale, stepped_item)
-  if ck.res["env"]["backend"] == "gpu":
-    ck.item("generate_b1_threshold_host_loop", 60 * scale, host_loop_item)
+  if "bf16" in args.weights:
+    ck.item("forwards_b1", 60 * scale, lambda: fwd_item(1))
+    ck.item("generate_b1_threshold", 90 * scale, lambda: gen_item(1, "threshold"))
+    ck.item("generate_b1_dinfer", 90 * scale, lambda: gen_item(1, "dinfer"))
+    ck.item("stepped_b1_threshold", 45 * scale, stepped_item)
+    if ck.res["env"]["backend"] == "gpu":
+      ck.item("generate_b1_threshold_host_loop", 60 * scale, host_loop_item)
+  # 8-bit weights (issue 21): the same batch-1 forwards and generation, quantised on the device.
+  for w in args.weights:
+    if w == "bf16":
+      continue
+    tag = w.replace("-", "_")
+    ck.item(f"forwards_b1_{tag}", 60 * scale, lambda w=w: fwd_item(1, w))
+    ck.item(f"generate_b1_threshold_{tag}", 90 * scale, lambda w=w: gen_item(1, "threshold", w))
   if 8 in args.batches:
-    ck.item("forwards_b8", 45 * scale, lambda: fwd_item(8))
-    ck.item("generate_b8_threshold", 90 * scale, lambda: gen_item(8, "threshold"))
+    for w in args.weights:
+      tag = "" if w == "bf16" else "_" + w.replace("-", "_")
+      ck.item(f"forwards_b8{tag}", 45 * scale, lambda w=w: fwd_item(8, w))
+      ck.item(f"generate_b8_threshold{tag}", 90 * scale, lambda w=w: gen_item(8, "threshold", w))
   ck.write()
   return ck.res
 
@@ -397,6 +421,9 @@ def main(argv=None) -> int:
                   help="items whose estimate no longer fits are skipped (the check must end within 6 minutes)")
   ap.add_argument("--compile-cache", default=os.environ.get("DINFER_JAX_GPU_CHECK_CACHE", "/tmp/dinfer_jax_gpu_cc"),
                   help="persistent compilation cache (a rerun skips the compiles); '' to disable")
+  ap.add_argument("--weights", default="bf16",
+                  help="comma list of weight formats to measure: bf16 (every item), int8, fp8, int8-block, fp8-block "
+                       "(batch-1 forwards and generate, then batch 8; a second 6-minute run: --weights fp8,int8)")
   ap.add_argument("--predicted", action="append", default=None,
                   help="roofline bench JSON(s) to compare with (default: dinfer_jax/bench/predicted/*.json)")
   args = ap.parse_args(argv)
@@ -407,6 +434,11 @@ def main(argv=None) -> int:
     raise SystemExit(f"--batches {args.batches!r}: expected 1 and/or 8") from None
   if not set(args.batches) <= {1, 8} or 1 not in args.batches:
     raise SystemExit(f"--batches {args.batches}: expected 1 or 1,8")
+  args.weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+  from dinfer_jax.cli_common import QUANTIZE_CHOICES
+  bad = [w for w in args.weights if w != "bf16" and w not in QUANTIZE_CHOICES]
+  if bad or not args.weights:
+    raise SystemExit(f"--weights {bad}: choose from bf16, {', '.join(QUANTIZE_CHOICES)}")
   if args.predicted is None:
     args.predicted = sorted(str(p) for p in PREDICTED_DIR.glob("*.json"))
   res = run(args)

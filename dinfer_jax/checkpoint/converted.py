@@ -306,7 +306,7 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
   dtype = tree_dtype(params)
   check_tree(params, cfg, dtype, quantization)
   flat = _flat(params)
-  n_params = sum(int(np.prod(x.shape)) for x in flat.values())
+  n_params = sum(int(np.prod(x.shape)) for p, x in flat.items() if p[-1] != "scale" or not quantization)
   nbytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in flat.values())
   meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": cfg.family, "dtype": dtype.name,
           "source_layout": layout, "source_dtype": source_dtype or dtype.name, "n_params": n_params}

@@ -14,6 +14,9 @@ from dinfer_jax.checkpoint import keymap
 from dinfer_jax.checkpoint.converted import CONFIG_NAME, LazyArray, leaf_dtype, norm_dtype, read_config_file
 from dinfer_jax.checkpoint.errors import CheckpointError
 from dinfer_jax.checkpoint.safetensors_io import FLOAT_CODES, INDEX_NAME, SINGLE_NAME, WeightSet, dtype_name
+
+FP8_CODE = "F8_E4M3"
+SCALE_SUFFIX = "_scale_inv"
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model.params import abstract_params
 
@@ -57,6 +60,11 @@ class HFCheckpoint:
       self.cfg = cfg
     self.weights = WeightSet(self.dir)
     keys = [k for k in self.weights.keys() if not keymap.is_ignored(k)]
+    # FP8 checkpoints (DeepSeek-style, LLaDA2.x FP8): float8_e4m3fn weights, each with a
+    # `<key>_scale_inv` grid of one fp32 multiplier per block x block tile of [out, in].
+    self.scales = {k[:-len(SCALE_SUFFIX)]: k for k in keys if k.endswith(SCALE_SUFFIX)}
+    keys = [k for k in keys if not k.endswith(SCALE_SUFFIX)]
+    self.quantization = self._fp8_config() if self.scales else None
     self.layout = keymap.detect_layout(self.cfg.family, keys)
     self.entries = keymap.plan(self.cfg, self.layout)
     self._validate(keys)
@@ -75,13 +83,58 @@ class HFCheckpoint:
       more = f" ({len(missing)} missing tensors in all)" if len(missing) > 1 else ""
       raise CheckpointError(f"missing tensor {missing[0]!r} (expected shape {expected[missing[0]].hf_shape}) "
                             f"in {self.dir}{more}")
+    stray = [k for k in self.scales if k not in expected]
+    if stray:
+      raise CheckpointError(f"scale {self.scales[stray[0]]!r} in {self.weights[self.scales[stray[0]]].file.name} "
+                            f"has no weight {stray[0]!r} to scale")
     for k, e in expected.items():
       t = self.weights[k]
       if t.shape != e.hf_shape:
         raise CheckpointError(f"tensor {k!r} in {t.file.name} has shape {t.shape}, expected {e.hf_shape}")
-      if t.dtype not in FLOAT_CODES:
+      if t.dtype == FP8_CODE:
+        self._validate_fp8(k, e)
+      elif t.dtype not in FLOAT_CODES:
         raise CheckpointError(f"tensor {k!r} in {t.file.name} has dtype {t.dtype} ({dtype_name(t.dtype)}); "
-                              f"weights must be one of {', '.join(FLOAT_CODES)}")
+                              f"weights must be one of {', '.join(FLOAT_CODES + (FP8_CODE,))}")
+      elif k in self.scales:
+        raise CheckpointError(f"tensor {k!r} in {t.file.name} is {dtype_name(t.dtype)} but has a scale "
+                              f"{self.scales[k]!r}; only {dtype_name(FP8_CODE)} weights are scaled")
+
+  def _fp8_config(self):
+    from dinfer_jax.model import quant
+    qcfg = self.raw_config.get("quantization_config") or {}
+    block = qcfg.get("weight_block_size", [128, 128])
+    if (not isinstance(block, (list, tuple)) or len(block) != 2 or block[0] != block[1]
+        or not isinstance(block[0], int) or block[0] < 1):
+      raise CheckpointError(f"{self.dir / CONFIG_NAME}: quantization_config.weight_block_size {block!r} is not "
+                            "supported (square blocks only, e.g. [128, 128])")
+    return quant.QuantConfig("fp8", "block", block[0])
+
+  def _validate_fp8(self, k: str, e) -> None:
+    """An FP8 weight: its scale exists, is float, has the block grid's shape, and maps onto a quantised leaf
+    tile for tile."""
+    from dinfer_jax.model import quant
+    t = self.weights[k]
+    if k not in self.scales:
+      raise CheckpointError(f"tensor {k!r} in {t.file.name} is {dtype_name(FP8_CODE)} but {k + SCALE_SUFFIX!r} "
+                            "is missing")
+    s = self.weights[self.scales[k]]
+    b = self.quantization.block
+    want = tuple(t.shape[:-2]) + tuple(-(-d // b) for d in t.shape[-2:])
+    if s.shape != want:
+      raise CheckpointError(f"scale {s.name!r} in {s.file.name} has shape {s.shape}, expected {want} for weight "
+                            f"{k!r} {t.shape} in {b}x{b} blocks")
+    if s.dtype not in FLOAT_CODES:
+      raise CheckpointError(f"scale {s.name!r} in {s.file.name} has dtype {dtype_name(s.dtype)}; expected a float")
+    for p, ps in zip(e.pieces, e.piece_shapes):
+      leaf = self._shapes()[p.path]
+      if quant.leaf_axes(p.path, len(leaf)) is None:
+        continue  # an FP8 tensor of a leaf we keep in the model dtype (router, LM head): dequantised on load
+      try:
+        quant.tile_shape(p.path, leaf, self.quantization)
+      except ValueError as err:
+        raise CheckpointError(f"tensor {k!r} in {t.file.name}: its {b}x{b} blocks do not tile "
+                              f"{'.'.join(p.path)} {tuple(leaf)}: {err}") from None
 
   @property
   def source_dtype(self) -> str:
@@ -93,12 +146,50 @@ class HFCheckpoint:
         by[t.dtype] += t.nbytes
     return dtype_name(by.most_common(1)[0][0]) if by else "float32"
 
+  def _read_float(self, key: str) -> np.ndarray:
+    """An HF weight as stored, or, for an FP8 one, dequantised (fp32) with its block scales."""
+    x = self.weights.read(key)
+    if self.weights[key].dtype != FP8_CODE:
+      return x
+    s = np.asarray(self.weights.read(self.scales[key]), np.float32)
+    b = self.quantization.block
+    for ax in (-2, -1):
+      s = np.repeat(s, b, axis=ax)
+    return x.astype(np.float32) * s[tuple(slice(0, n) for n in x.shape)]
+
+  def is_quantised_leaf(self, path: tuple[str, ...]) -> bool:
+    """Whether this FP8 checkpoint's leaf comes back as a QArray (fp8 values + block scales as stored)."""
+    from dinfer_jax.model import quant
+    return self.quantization is not None and quant.leaf_axes(path, len(self._shapes()[path])) is not None
+
+  def build_quantised_leaf(self, path: tuple[str, ...], dtype) -> dict[str, np.ndarray]:
+    """{"qvalue", "scale"} of one leaf of an FP8 checkpoint: the FP8 values and their block scales copied
+    through the same transforms as the weights (the block grid is the weight's, `block` times smaller), no
+    bf16 round trip. A piece stored in a float dtype instead is quantised in the same blocks."""
+    from dinfer_jax.model import quant
+    qc = self.quantization
+    shape = tuple(self._shapes()[path])
+    qvalue = np.empty(shape, quant.SCHEMES["fp8"])
+    scale = np.empty(quant.scale_shape(path, shape, qc), np.float32)
+    for entry, j in self.by_leaf[path]:
+      piece = entry.pieces[j]
+      if self.weights[entry.key].dtype == FP8_CODE:
+        qvalue[piece.index] = entry.to_jax(self.weights.read(entry.key))[j]
+        grids = [quant.scale_shape(p.path, tuple(self._shapes()[p.path]), qc)[len(p.index):] for p in entry.pieces]
+        s = np.asarray(self.weights.read(self.scales[entry.key]), np.float32)
+        scale[piece.index] = entry.transform.to_jax(s, grids)[j]
+      else:
+        x = np.asarray(entry.to_jax(self.weights.read(entry.key))[j], np.float32)
+        q = quant.quantize_leaf(path, x, qc)
+        qvalue[piece.index], scale[piece.index] = np.asarray(q.qvalue), np.asarray(q.scale)
+    return {"qvalue": qvalue, "scale": scale}
+
   def build_leaf(self, path: tuple[str, ...], dtype) -> np.ndarray:
     """Allocates one param leaf and fills it HF tensor by HF tensor, casting on the copy."""
     shape = tuple(self._shapes()[path])
     out = np.empty(shape, leaf_dtype(path, dtype))
     for entry, j in self.by_leaf[path]:
-      x = self.weights.read(entry.key)
+      x = self._read_float(entry.key)
       bad = 0 if self.nonfinite == "ignore" else _count_nonfinite(x)
       if bad:
         msg = (f"tensor {entry.key!r} in {self.weights[entry.key].file.name} has {bad} NaN/Inf value(s) "
@@ -116,6 +207,18 @@ class HFCheckpoint:
       self._shape_cache = {tuple(k.key for k in p): tuple(x.shape) for p, x in flat}
     return self._shape_cache
 
+  def check_quantize(self, quantize):
+    """The quantisation to write or load with: an FP8 checkpoint keeps its own (asking for another would
+    requantise already-rounded values: load it, then requantise explicitly)."""
+    from dinfer_jax.model import quant
+    qc = quant.QuantConfig.parse(quantize)
+    if self.quantization is None:
+      return qc
+    if qc is not None and qc != self.quantization:
+      raise CheckpointError(f"{self.dir}: already FP8 with {self.quantization.block}x{self.quantization.block} block "
+                            f"scales; it cannot be converted to {qc.weights}-{qc.scales} (leave --quantize out)")
+    return self.quantization
+
   def lazy_params(self, dtype, quantize=None) -> dict[str, Any]:
     """The param tree with LazyArray leaves: nothing is read until a leaf is materialised. quantize (a
     model.quant.QuantConfig): the matmul weights in quant.to_storage's form, {"qvalue", "scale"} LazyArrays
@@ -123,13 +226,15 @@ class HFCheckpoint:
     after the other)."""
     dtype = norm_dtype(dtype)
     from dinfer_jax.model import quant
+    quantize = self.check_quantize(quantize)
 
     def make(path, x):
       p = tuple(k.key for k in path)
       build = lambda: self.build_leaf(p, dtype)  # noqa: E731
       if quantize is None or quant.leaf_axes(p, len(x.shape)) is None:
         return LazyArray(x.shape, x.dtype, build, ".".join(p))
-      parts = _QuantisedLeaf(p, build, quantize)
+      parts = _QuantisedLeaf(p, build, quantize,
+                             (lambda: self.build_quantised_leaf(p, dtype)) if self.is_quantised_leaf(p) else None)
       q = jax.eval_shape(lambda a: quant.quantize_leaf(p, a, quantize), x)
       return {name: LazyArray(getattr(q, name).shape, getattr(q, name).dtype,
                               (lambda n=name: parts.take(n)), ".".join(p + (name,)))
@@ -139,17 +244,21 @@ class HFCheckpoint:
 
 
 class _QuantisedLeaf:
-  """One weight built and quantised once, handed out part by part; dropped after both parts are taken."""
+  """One weight built and quantised once (or read as stored: `stored` builds both parts), handed out part by
+  part; dropped after both parts are taken."""
 
-  def __init__(self, path, build, qc):
-    self.path, self.build, self.qc = path, build, qc
+  def __init__(self, path, build, qc, stored=None):
+    self.path, self.build, self.qc, self.stored = path, build, qc, stored
     self.parts: dict[str, np.ndarray] = {}
 
   def take(self, name: str) -> np.ndarray:
     if not self.parts:
-      from dinfer_jax.model import quant
-      q = quant.quantize_leaf(self.path, self.build(), self.qc)
-      self.parts = {"qvalue": np.asarray(q.qvalue), "scale": np.asarray(q.scale)}
+      if self.stored is not None:
+        self.parts = self.stored()
+      else:
+        from dinfer_jax.model import quant
+        q = quant.quantize_leaf(self.path, self.build(), self.qc)
+        self.parts = {"qvalue": np.asarray(q.qvalue), "scale": np.asarray(q.scale)}
     return self.parts.pop(name)
 
 
@@ -172,9 +281,16 @@ def load_hf_params(path: os.PathLike, cfg: ModelConfig | None = None, dtype="bfl
   abstract = abstract_params(ck.cfg, dtype)
   if shardings is not None and isinstance(shardings, jax.sharding.Sharding):
     shardings = jax.tree_util.tree_map(lambda _: shardings, abstract)
+  if ck.quantization is not None and shardings is not None:
+    raise CheckpointError(f"{ck.dir}: an FP8 checkpoint cannot be loaded onto a mesh yet; load it unsharded")
 
   def one(path, x, *s):
-    arr = ck.build_leaf(tuple(k.key for k in path), dtype)
+    p = tuple(k.key for k in path)
+    if ck.is_quantised_leaf(p):
+      from dinfer_jax.model import quant
+      parts = ck.build_quantised_leaf(p, dtype)
+      return quant.make_qarray(jax.numpy.asarray(parts["qvalue"]), jax.numpy.asarray(parts["scale"]))
+    arr = ck.build_leaf(p, dtype)
     return jax.device_put(arr, s[0]) if s else arr
 
   if shardings is None:

@@ -14,7 +14,7 @@ from dinfer_jax.checkpoint.converted import (
     read_meta, restore_leaves_numpy, save_converted, write_config)
 from dinfer_jax.checkpoint.errors import CheckpointError
 from dinfer_jax.checkpoint.outdir import atomic_dir
-from dinfer_jax.checkpoint.hf import HFCheckpoint, is_hf_checkpoint
+from dinfer_jax.checkpoint.hf import SCALE_SUFFIX, HFCheckpoint, is_hf_checkpoint
 from dinfer_jax.checkpoint.safetensors_io import INDEX_NAME, OutTensor, WeightSet, dtype_name, write_checkpoint
 
 # HF's usual shard size: small enough for hub uploads, large enough to keep the file count low.
@@ -45,8 +45,8 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
   t0 = time.time()
   dtype = norm_dtype(dtype)
   from dinfer_jax.model import quant
-  qc = quant.QuantConfig.parse(quantize)
   ck = HFCheckpoint(src, nonfinite="warn" if allow_nonfinite else "error")
+  qc = ck.check_quantize(quant.QuantConfig.parse(quantize))  # an FP8 source stays as it is
   out = save_converted(dst, ck.lazy_params(dtype, qc), ck.raw_config, src_dir_for_tokenizer=src, layout=ck.layout,
                        overwrite=overwrite, source_dtype=ck.source_dtype, sources=[src],
                        replace_unmarked=replace_unmarked, quantization=qc.to_dict() if qc else None)
@@ -82,13 +82,19 @@ def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None
   t0 = time.time()
   src = pathlib.Path(src)
   meta = read_meta(src)
-  if meta.get("quantization"):
-    raise CheckpointError(f"{src}: holds {_quant_label(meta['quantization'])}; jax2hf writes bf16/fp16/fp32 "
-                          "checkpoints only (convert the HF source again without --quantize)")
+  q = meta.get("quantization")
+  if q and (q["weights"], q["scales"]) != ("fp8", "block"):
+    raise CheckpointError(f"{src}: holds {_quant_label(q)}; HF checkpoints have an 8-bit layout for FP8 with "
+                          "block scales only (weight_scale_inv): convert the HF source with --quantize fp8 "
+                          "--scales block, or without --quantize")
   cfg, raw = read_config_file(src)
   layout = layout or meta.get("source_layout", "per_expert")
-  out_dtype = norm_dtype(dtype if dtype is not None else meta.get("source_dtype") or meta["dtype"])
+  default = meta["dtype"] if q else (meta.get("source_dtype") or meta["dtype"])
+  out_dtype = norm_dtype(dtype if dtype is not None else default)
   entries = keymap.plan(cfg, layout)
+  from dinfer_jax.model import quant
+  stored = orbax_metadata(src)
+  quantised = {path[:-1] for path in stored if path[-1] == "qvalue"}
 
   # Group HF tensors by the set of leaves they read, in first-use order, so each leaf is restored once.
   groups: dict[tuple[tuple[str, ...], ...], list[keymap.Entry]] = {}
@@ -96,26 +102,42 @@ def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None
     groups.setdefault(tuple(sorted({p.path for p in e.pieces})), []).append(e)
   ordered = [e for g in groups.values() for e in g]
   by_key = {e.key: e for e in ordered}
-  tensors = [OutTensor(e.key, keymap.hf_dtype(e.key, out_dtype), e.hf_shape) for e in ordered]
+  tensors = []
+  for e in ordered:
+    if e.pieces[0].path in quantised:
+      # FP8 with block scales: the values as stored and one fp32 multiplier per block of [out, in]
+      # (DeepSeek-style weight_scale_inv), both through the weight's own transform.
+      grid = e.transform.hf_shape([stored[p.path + ("scale",)].shape[len(p.index):] for p in e.pieces])
+      tensors += [OutTensor(e.key, np.dtype(quant.SCHEMES["fp8"]), e.hf_shape),
+                  OutTensor(e.key + SCALE_SUFFIX, np.dtype(np.float32), tuple(grid))]
+    else:
+      tensors.append(OutTensor(e.key, keymap.hf_dtype(e.key, out_dtype), e.hf_shape))
   cache: dict[str, Any] = {"need": None, "leaves": {}}
 
   def produce(t: OutTensor) -> np.ndarray:
-    e = by_key[t.name]
-    need = tuple(sorted({p.path for p in e.pieces}))
+    is_scale = t.name.endswith(SCALE_SUFFIX) and t.name[:-len(SCALE_SUFFIX)] in by_key
+    e = by_key[t.name[:-len(SCALE_SUFFIX)] if is_scale else t.name]
+    paths = sorted({p.path for p in e.pieces})
+    need = tuple(pp for p in paths for pp in ([p + ("qvalue",), p + ("scale",)] if p in quantised else [p]))
     if cache["need"] != need:
       cache["leaves"] = {}  # drop the previous group before reading the next
       cache["leaves"] = restore_leaves_numpy(src, list(need))
       cache["need"] = need
-    pieces = [cache["leaves"][p.path][p.index] for p in e.pieces]
+    part = () if e.pieces[0].path not in quantised else (("scale",) if is_scale else ("qvalue",))
+    pieces = [cache["leaves"][p.path + part][p.index] for p in e.pieces]
     return np.ascontiguousarray(e.to_hf(pieces), dtype=t.dtype)
 
+  if q and "quantization_config" not in raw:
+    raw = dict(raw, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [q["block"], q["block"]]})
   with atomic_dir(dst, overwrite, sources=[src], replace_unmarked=replace_unmarked, kind="hf") as tmp:
     write_config(tmp, raw, src)
     copy_aux_files(src, tmp)
     weight_map = write_checkpoint(tmp, tensors, produce, max_shard_bytes=max_shard_bytes)
     cache["leaves"] = {}
   return {"tensors": len(tensors), "files": len(set(weight_map.values())),
-          "n_params": sum(int(np.prod(t.shape)) for t in tensors), "bytes": sum(t.nbytes for t in tensors),
+          "n_params": sum(int(np.prod(t.shape)) for t in tensors if not t.name.endswith(SCALE_SUFFIX)),
+          "bytes": sum(t.nbytes for t in tensors),
           "layout": layout, "dtype": out_dtype.name, "family": cfg.family, "seconds": time.time() - t0}
 
 

@@ -3,6 +3,7 @@ QArrays; bad trees are one-line errors naming the leaf and both shapes."""
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -91,9 +92,92 @@ def test_cli_quantize_inspect_and_jax2hf_refusal(tmp_path):
   r = _run("inspect", tmp_path / "q")
   assert r.returncode == 0, r.stderr
   assert r.stdout.startswith("format: bfloat16, matmul weights fp8 weights, block scales")
-  assert "moe_layers.experts.gate.qvalue  float8_e4m3fn" in r.stdout
+  assert re.search(r"moe_layers.experts.gate.qvalue\s+float8_e4m3fn", r.stdout)
+  # FP8 with block scales has an HF layout: weights in float8_e4m3fn, each with its weight_scale_inv grid.
   r = _run("jax2hf", tmp_path / "q", tmp_path / "h")
-  assert r.returncode == 2 and "jax2hf writes bf16/fp16/fp32 checkpoints only" in r.stderr
-  assert not (tmp_path / "h").exists()
+  assert r.returncode == 0, r.stderr
+  r = _run("inspect", tmp_path / "h")
+  key = "model.layers.0.mlp.experts.0.gate_proj.weight"
+  assert re.search(rf"{key}\s+float8_e4m3fn", r.stdout) and re.search(rf"{key}_scale_inv\s+float32\s+\[1, 1\]",
+                                                                       r.stdout), r.stdout
+  assert re.search(r"lm_head.weight\s+bfloat16", r.stdout)
   r = _run("hf2jax", MODELS["llada_moe"], tmp_path / "z", "--scales", "block")
   assert r.returncode == 2 and "--scales needs --quantize" in r.stderr
+
+
+def test_jax2hf_refuses_a_layout_hf_does_not_have(tmp_path):
+  checkpoint.hf2jax(MODELS["llada"], tmp_path / "q", quantize="int8")
+  with pytest.raises(checkpoint.CheckpointError, match=r"holds int8 weights, channel scales; HF checkpoints have "
+                     "an 8-bit layout for FP8 with block scales only"):
+    checkpoint.jax2hf(tmp_path / "q", tmp_path / "h")
+  assert not (tmp_path / "h").exists()
+
+
+# ----------------------------------------------------------------------------- HF FP8 checkpoints
+def _fp8_hf(directory, name="llada_moe", block=16, drop_scale=None, bad_scale=None):
+  """The golden HF model as a DeepSeek-style FP8 checkpoint: every *_proj weight float8_e4m3fn with a
+  [out/block, in/block] fp32 weight_scale_inv; also returns the dequantised weights (fp32) it stands for."""
+  import ml_dtypes
+  from ckpt_testlib import arrays, write_hf
+  src = pathlib.Path(MODELS[name])
+  cfg = json.loads((src / "config.json").read_text())
+  cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [block, block]}
+  fp8, deq = {}, {}
+  for k, x in arrays(src).items():
+    if not k.endswith("proj.weight"):
+      fp8[k] = x
+      deq[k] = x.astype(np.float32)
+      continue
+    w = x.astype(np.float32)
+    o, i = w.shape
+    blocks = np.abs(w).reshape(o // block, block, i // block, block).max(axis=(1, 3))
+    s = (blocks / 448.0).astype(np.float32)
+    rep = np.repeat(np.repeat(s, block, 0), block, 1)
+    q = (w / rep).astype(ml_dtypes.float8_e4m3fn)
+    fp8[k], fp8[k + "_scale_inv"] = q, s
+    deq[k] = q.astype(np.float32) * rep
+  if drop_scale:
+    del fp8[drop_scale + "_scale_inv"]
+  if bad_scale:
+    fp8[bad_scale + "_scale_inv"] = fp8[bad_scale + "_scale_inv"][:, :1]
+  write_hf(directory / "fp8", fp8, cfg)
+  write_hf(directory / "deq", deq, {k: v for k, v in cfg.items() if k != "quantization_config"})
+  for f in ("tokenizer.json", "tokenizer_config.json"):
+    if (src / f).exists():
+      (directory / "fp8" / f).write_bytes((src / f).read_bytes())
+  return directory / "fp8", directory / "deq"
+
+
+def test_hf_fp8_loads_as_stored_and_round_trips_bit_exact(tmp_path):
+  from ckpt_testlib import raw_tensors
+  fp8, deq = _fp8_hf(tmp_path)
+  m = dinfer_jax.load(fp8, dtype="float32")
+  ref = dinfer_jax.load(deq, dtype="float32")
+  q = m.params["moe_layers"]["experts"]["gate"]
+  assert quant.is_qarray(q) and q.qvalue.dtype == quant.SCHEMES["fp8"] and q.scale.shape[-2:] == (64 // 16, 32 // 16)
+  a, b = _qleaves(quant.dequantize_params(m.params)), _qleaves(ref.params)
+  for k in b:
+    np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+  # hf2jax keeps the FP8 values and scales as they are; jax2hf writes the same tensors back.
+  s = checkpoint.hf2jax(fp8, tmp_path / "j")
+  assert s["quantization"] == "fp8 weights, block scales (16x16)"
+  checkpoint.jax2hf(tmp_path / "j", tmp_path / "back")
+  assert raw_tensors(tmp_path / "back") == raw_tensors(fp8)
+  assert json.loads((tmp_path / "back" / "config.json").read_text())["quantization_config"]["weight_block_size"] == [16, 16]
+
+
+def test_hf_fp8_errors(tmp_path):
+  key = "model.layers.0.self_attn.q_proj.weight"
+  fp8, _ = _fp8_hf(tmp_path / "a", drop_scale=key)
+  with pytest.raises(checkpoint.CheckpointError, match=rf"tensor '{key}' .* is float8_e4m3fn but "
+                     rf"'{key}_scale_inv' is missing"):
+    dinfer_jax.load(fp8)
+  fp8, _ = _fp8_hf(tmp_path / "b", bad_scale=key)
+  with pytest.raises(checkpoint.CheckpointError, match=rf"scale '{key}_scale_inv' .* has shape \(4, 1\), "
+                     rf"expected \(4, 4\) for weight '{key}' \(64, 64\) in 16x16 blocks"):
+    checkpoint.hf2jax(fp8, tmp_path / "b" / "out")
+  assert leftovers(tmp_path / "b", "out") == []
+  fp8, _ = _fp8_hf(tmp_path / "c")
+  with pytest.raises(checkpoint.CheckpointError, match="already FP8 with 16x16 block scales"):
+    checkpoint.hf2jax(fp8, tmp_path / "c" / "out", quantize="int8")
