@@ -149,11 +149,18 @@ def _write_predictions(tmp_path) -> list[str]:
   return args
 
 
-def _check_rehearsal(d: dict, batch8: bool) -> None:
+def _check_rehearsal(d: dict, batch8: bool, weights: tuple[str, ...] = ()) -> None:
   assert d["env"]["backend"] == "cpu" and not d["skipped"] and not d["failed"]
   items = d["items"]
   expect = {"forwards_b1", "generate_b1_threshold", "generate_b1_dinfer", "stepped_b1_threshold"}
-  assert set(items) == (expect | {"forwards_b8", "generate_b8_threshold"} if batch8 else expect)
+  expect |= {f"{k}_{w}" for w in weights for k in ("forwards_b1", "generate_b1_threshold")}
+  if batch8:
+    expect |= {f"{k}{t}" for t in [""] + [f"_{w}" for w in weights] for k in ("forwards_b8", "generate_b8_threshold")}
+  assert set(items) == expect
+  for w in weights:  # the 8-bit runs decode the same prompts with the same program shapes
+    g, q = items["generate_b1_threshold"], items[f"generate_b1_threshold_{w}"]
+    assert q["nfe"] == q["n_full"] + q["n_cached"] and q["n_full"] == g["n_full"]
+    assert items[f"forwards_b1_{w}"]["cached"]["kernels"] > 0
   for kind in ("refresh", "cached"):
     r = items["forwards_b1"][kind]
     assert r["ms"] > 0 and r["kernels"] > 0 and r["moe"] == "dense" and r["attention"] == "xla"
@@ -177,9 +184,10 @@ def test_gpu_check_script_rehearsal(tmp_path):
   env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", DINFER_JAX_SITE=str(tmp_path / "site"))
   script = pathlib.Path(gpu_check.__file__).with_name("gpu_check.sh")
   p = subprocess.run([str(script), str(out), "--tiny", "--batches", "1", "--reps", "1", "--compile-cache", "",
-                      *_write_predictions(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+                      "--weights", "bf16,fp8", *_write_predictions(tmp_path)], env=env, capture_output=True,
+                     text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
-  _check_rehearsal(json.loads((out / "gpu_check.json").read_text()), batch8=False)
+  _check_rehearsal(json.loads((out / "gpu_check.json").read_text()), batch8=False, weights=("fp8",))
   md = (out / "gpu_check.md").read_text()
   assert "| b1_dinfer |" in md and "Python-stepped loop" in md and "| 1 | cached |" in p.stdout
 
@@ -187,10 +195,10 @@ def test_gpu_check_script_rehearsal(tmp_path):
 def test_gpu_check_rehearsal_on_cpu(tmp_path):
   """The Python entry in-process, batch 8 included (the script test covers batch 1)."""
   out = tmp_path / "out"
-  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--reps", "1",
+  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--reps", "1", "--weights", "bf16,int8",
                          *_write_predictions(tmp_path)]) == 0
   d = json.loads((out / "gpu_check.json").read_text())
-  _check_rehearsal(d, batch8=True)
+  _check_rehearsal(d, batch8=True, weights=("int8",))
   assert "predicted_ideal_s" not in d["items"]["generate_b8_threshold"]  # no batch-8 prediction was given
 
 
