@@ -53,7 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
   prompts = prompt_input.collect(args.prompts, args.file)
   mesh = setup_parallel(args)  # before any JAX computation (jax.distributed.initialize requires it)
   cli_common.use_compile_cache(args)
-  model = dinfer_jax.load(args.model, dtype=args.dtype, mesh=mesh)
+  model = dinfer_jax.load(args.model, dtype=args.dtype, mesh=mesh, quantize=args.quantize)
   from dinfer_jax import diagnostics
   ids = encode_prompts(model, prompts, raw=args.raw, system=args.system)
   names = cli_common.trained_tasks(model)

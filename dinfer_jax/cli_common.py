@@ -26,6 +26,8 @@ def add_model_flags(ap: argparse.ArgumentParser, *, dtype: bool = True) -> None:
                        "default: %(default)s")
   if dtype:
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
+    ap.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES,
+                    help="8-bit matmul weights, quantised on load (an 8-bit checkpoint loads as stored without it)")
 
 
 def add_compile_cache_flag(ap: argparse.ArgumentParser) -> None:

@@ -81,7 +81,7 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
 
   if args.max_programs < 1:
     raise SystemExit(f"error: --max-programs {args.max_programs}: must be >= 1")
-  model = dinfer_jax.load(args.model, dtype=args.dtype)
+  model = dinfer_jax.load(args.model, dtype=args.dtype, quantize=args.quantize)
   gcfg = cli_common.generation_config(args, model.path)
   metrics = Metrics(args.max_batch)
   common = dict(max_batch=args.max_batch, max_queue=args.max_queue, on_batch=metrics.batch, on_drop=metrics.drop,
