@@ -74,6 +74,29 @@ def test_prefix_windows_shrink_in_the_bench():
   assert res["predictions"][0]["predicted_tps_per_seq"] == pytest.approx(G / (gen_ms / 1e3))
 
 
+def test_weights_formats_side_by_side():
+  """--weights: each format's forwards compiled from abstract QArray params, its floor at 1 byte per matmul
+  weight, and the 8-bit summary fields beside bf16's."""
+  res = roofline.run("tiny", ["h200"], [1], ["dual"], "cpu", roofline.DINFER_TPF, with_generate=False,
+                     progress=None, weights=("bf16", "int8"))
+  rows = {(r["weights"], r["kind"]): r for r in res["rows"]}
+  assert set(rows) == {(w, k) for w in ("bf16", "int8") for k in ("refresh", "cached")}
+  from dinfer_jax.bench import presets
+  cfg = presets.get("tiny").model()
+  D, N, K, H, F, E = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.expert_ffn_dim, cfg.n_experts
+  # Every expert is touched at these token counts: 1 byte instead of 2 for q/k/v/o and the experts.
+  saved = cfg.n_layers * (D * (2 * N * H + 2 * K * H) + E * 3 * D * F)
+  for kind in ("refresh", "cached"):
+    assert rows[("bf16", kind)]["floor_bytes"] - rows[("int8", kind)]["floor_bytes"] == pytest.approx(saved, rel=1e-3)
+  c_b, c_q = rows[("bf16", "cached")], rows[("int8", "cached")]
+  assert res["cached_bytes_int8_over_bf16_batch1"] == pytest.approx(c_q["bytes"] / c_b["bytes"])
+  assert res["predicted_tps_batch1_int8"] > 0 and res["realistic_tps_batch1_int8"] > 0
+  assert res["predicted_tps_batch1"] == pytest.approx(
+      [p for p in res["predictions"] if p["weights"] == "bf16"][0]["predicted_tps_per_seq"])
+  with pytest.raises(SystemExit, match="--weights"):
+    roofline.main(["--preset", "tiny", "--target", "cpu", "--weights", "int4"])
+
+
 def test_bad_arguments():
   with pytest.raises(SystemExit, match="--batches"):
     roofline.main(["--preset", "tiny", "--target", "cpu", "--batches", "0"])
