@@ -96,10 +96,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
   qc = quant.QuantConfig.parse(quantize)
   p = resolve_path(path)
   if checkpoint.is_converted_checkpoint(p):
-    if mesh is not None and checkpoint.converted.read_meta(p).get("quantization"):
-      raise ValueError(f"load: {p} holds 8-bit weights; loading them onto a mesh is not supported yet")
     cfg, _ = load_config(p)
-    shardings = _shardings(cfg, dtype, mesh)
+    # 8-bit leaves are read onto one device and placed below, once their QArrays exist.
+    shardings = None if checkpoint.converted.read_meta(p).get("quantization") else _shardings(cfg, dtype, mesh)
     params, cfg, _ = checkpoint.load_converted(p, dtype=dtype, shardings=shardings)
   elif checkpoint.is_hf_checkpoint(p):
     cfg, _ = checkpoint.read_hf_config(p)
@@ -111,13 +110,13 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
     raise checkpoint.CheckpointError(f"{p}: neither an HF checkpoint (config.json + *.safetensors) nor a "
                                      "converted dinfer-jax checkpoint")
   if qc is not None:
-    if mesh is not None:
-      raise ValueError("load: quantize= with a mesh is not supported yet; quantise unsharded (mesh=None)")
     if quant.is_quantized(params):
       # An 8-bit checkpoint asked for another format (e.g. FP8 block scales -> per-channel, the fast GEMM
       # path): requantised from its dequantised values.
       params = quant.dequantize_params(params, jnp.float32)
     params = quant.quantize_params(params, qc)
+  if mesh is not None and quant.is_quantized(params):
+    params = jax.device_put(params, param_shardings(params, params_lib.logical_axes(cfg), mesh))
   return Model(config=cfg, params=params, tokenizer=load_tokenizer(p), mesh=mesh, path=str(p))
 
 

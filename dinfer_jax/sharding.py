@@ -119,9 +119,20 @@ def spec_for(axes: tuple[str | None, ...], mesh: Mesh, shape: tuple[int, ...] | 
 
 
 def param_shardings(abstract_tree: Any, axes_tree: Any, mesh: Mesh) -> Any:
-  """NamedSharding tree parallel to the params, from their shapes and logical axes."""
-  return jax.tree_util.tree_map(lambda a, ax: NamedSharding(mesh, spec_for(ax, mesh, a.shape)),
-                                abstract_tree, axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+  """NamedSharding tree parallel to the params, from their shapes and logical axes. An 8-bit weight (a qwix
+  QArray, model/quant.py) gets a QArray of shardings: its values split like the weight, its scales along the
+  same axes where they have more than one entry (replicated where a mesh axis does not divide them)."""
+  from dinfer_jax.model import quant
+
+  def one(a, ax):
+    if quant.is_qarray(a):
+      scale_ax = tuple(name if n > 1 else None for name, n in zip(ax, a.scale.shape))
+      return quant.with_parts(a, NamedSharding(mesh, spec_for(ax, mesh, a.qvalue.shape)),
+                              NamedSharding(mesh, spec_for(scale_ax, mesh, a.scale.shape)))
+    return NamedSharding(mesh, spec_for(ax, mesh, a.shape))
+
+  return jax.tree_util.tree_map(one, abstract_tree, axes_tree,
+                                is_leaf=lambda x: isinstance(x, tuple) or quant.is_qarray(x))
 
 
 def data_size(mesh: Mesh | None) -> int:

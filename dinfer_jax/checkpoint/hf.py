@@ -271,7 +271,8 @@ def load_hf_params(path: os.PathLike, cfg: ModelConfig | None = None, dtype="bfl
     cfg: the config to map for; default: parsed from config.json.
     dtype: weight dtype of the result ('bfloat16' or 'float32'; expert_bias stays fp32).
     shardings: optional tree of jax.sharding.Sharding (or one Sharding) parallel to the params: each leaf
-      is placed with jax.device_put as soon as it is built and the host copy dropped.
+      is placed with jax.device_put as soon as it is built and the host copy dropped. Ignored for an FP8
+      checkpoint (its weights come back as QArrays on one device; dinfer_jax.load places them).
 
   Returns:
     The tree of abstract_params(cfg, dtype): numpy arrays, or jax arrays when shardings are given.
@@ -281,8 +282,8 @@ def load_hf_params(path: os.PathLike, cfg: ModelConfig | None = None, dtype="bfl
   abstract = abstract_params(ck.cfg, dtype)
   if shardings is not None and isinstance(shardings, jax.sharding.Sharding):
     shardings = jax.tree_util.tree_map(lambda _: shardings, abstract)
-  if ck.quantization is not None and shardings is not None:
-    raise CheckpointError(f"{ck.dir}: an FP8 checkpoint cannot be loaded onto a mesh yet; load it unsharded")
+  if ck.quantization is not None:
+    shardings = None  # FP8 leaves come back as QArrays on one device; dinfer_jax.load places them on its mesh
 
   def one(path, x, *s):
     p = tuple(k.key for k in path)

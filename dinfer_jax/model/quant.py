@@ -174,6 +174,11 @@ def quantize_leaf(path: tuple[str, ...], w, qc: QuantConfig):
                        scale_dtype=jnp.float32)
 
 
+def with_parts(w, qvalue, scale):
+  """A QArray node holding other leaves in its places (e.g. the shardings of its values and scales)."""
+  return dataclasses.replace(w, qvalue=qvalue, scale=scale)
+
+
 def make_qarray(qvalue, scale):
   """A QArray from stored parts (a checkpoint's qvalue and fp32 scale)."""
   import qwix

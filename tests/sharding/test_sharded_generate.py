@@ -103,3 +103,20 @@ def test_sharded_forward_equals_single_device(mesh_name):
     out = dinfer_jax.forward(model, x)
     err = np.abs(np.asarray(out) - ref).max() / np.abs(ref).max()
     assert err <= 1e-5, (name, mesh_name, err)
+
+
+def test_quantised_weights_on_a_mesh():
+  """8-bit weights (model/quant.py) split like the bf16 ones, their scales along the same axes: generation on
+  tensor 2 x expert 4 equals the single-device run of the same quantised model."""
+  _need_8()
+  mesh = _mesh("t2e4")
+  model_name, kw = CASES["threshold_dual_vicinity"]
+  ref = dinfer_jax.generate(dinfer_jax.load(MODEL_DIRS[model_name], quantize="int8"), RAGGED,
+                            GenerationConfig(**BASE, **kw), seed=3)
+  model = dinfer_jax.load(MODEL_DIRS[model_name], quantize="int8", mesh=mesh)
+  q = model.params["moe_layers"]["q"]
+  assert q.qvalue.sharding.spec[2] == "tensor" and q.scale.sharding.spec[2] == "tensor"
+  ex = model.params["moe_layers"]["experts"]["gate"]
+  assert ex.qvalue.sharding.spec[1] == "expert" and ex.scale.sharding.spec[1] == "expert"
+  out = dinfer_jax.generate(model, RAGGED, GenerationConfig(**BASE, **kw), seed=3)
+  assert (out.canvas, out.commit_step, out.nfe) == (ref.canvas, ref.commit_step, ref.nfe)
