@@ -89,8 +89,14 @@ def test_only_the_matmul_weights_are_quantised():
   assert b["qvalue"] > 0 and b["scale"] * 10 < b["qvalue"]
 
 
-@pytest.mark.parametrize("qc", SCHEMES, ids=_ids)
-@pytest.mark.parametrize("name", ["tiny_llada_moe", "tiny_llada", "tiny_llada2_moe"])
+# The default run takes each model and each scheme once (tiny_llada_moe twice); -m slow the whole matrix.
+_DEFAULT = {("tiny_llada_moe", 0), ("tiny_llada", 1), ("tiny_llada2_moe", 2), ("tiny_llada_moe", 3)}
+FORWARD_CASES = [pytest.param(name, qc, id=f"{name}-{_ids(qc)}",
+                              marks=() if (name, i) in _DEFAULT else pytest.mark.slow)
+                 for name in ("tiny_llada_moe", "tiny_llada", "tiny_llada2_moe") for i, qc in enumerate(SCHEMES)]
+
+
+@pytest.mark.parametrize("name,qc", FORWARD_CASES)
 def test_quantised_forward_matches_dequantised_reference(name, qc):
   m = dinfer_jax.load(GOLD / name, dtype="float32")
   cfg = m.config

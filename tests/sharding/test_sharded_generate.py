@@ -105,6 +105,7 @@ def test_sharded_forward_equals_single_device(mesh_name):
     assert err <= 1e-5, (name, mesh_name, err)
 
 
+@pytest.mark.slow
 def test_quantised_weights_on_a_mesh():
   """8-bit weights (model/quant.py) split like the bf16 ones, their scales along the same axes: generation on
   tensor 2 x expert 4 equals the single-device run of the same quantised model."""
