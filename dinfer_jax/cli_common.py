@@ -16,7 +16,7 @@ from dinfer_jax.engine.config import GenerationConfig
 
 DTYPES = ("float32", "bfloat16")
 # Weight formats a model can be quantised to on load (model/quant.py: QuantConfig.parse).
-QUANTIZE_CHOICES = ("int8", "fp8", "int8-block", "fp8-block")
+QUANTIZE_CHOICES = ("int8", "fp8", "int8-block", "fp8-block", "int8+head", "fp8+head")
 
 
 def add_model_flags(ap: argparse.ArgumentParser, *, dtype: bool = True) -> None:

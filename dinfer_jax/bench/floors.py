@@ -6,11 +6,13 @@ from dinfer_jax.config import ModelConfig
 
 
 def bytes_per_forward(cfg: ModelConfig, *, dtype_bytes: int, batch: int, tokens: int, kv_len: int,
-                      logits_tokens: int, quant_bytes: float | None = None) -> dict[str, float]:
+                      logits_tokens: int, quant_bytes: float | None = None,
+                      head_bytes: float | None = None) -> dict[str, float]:
   """Bytes one forward must move from HBM at least.
 
   quant_bytes: bytes per element of the attention projections, FFN and expert kernels when they are stored
   quantised (model/quant.py: 1, scales not counted: < 1% at 128-wide tiles); default dtype_bytes.
+  head_bytes: the same for the LM head (quantised only on request: QuantConfig.lm_head).
   weights: attention (q, k, v, o), norms, router, the touched experts of every layer, the LM head;
   embed: the looked-up rows; kv: the K/V of every layer the forward attends to (read) plus its own K/V.
   Expected distinct experts per layer for n routed pairs: E * (1 - (1 - k/E)^n)."""
@@ -27,7 +29,7 @@ def bytes_per_forward(cfg: ModelConfig, *, dtype_bytes: int, batch: int, tokens:
     moe = D * cfg.n_experts * dtype_bytes + (touched * expert + 3 * D * cfg.shared_expert_ffn_dim) * q
   dense = 3 * D * cfg.ffn_dim * q
   weights = (cfg.n_dense_layers * (per_layer + dense) + cfg.n_moe_layers * (per_layer + moe)
-             + (D + D * V) * dtype_bytes)
+             + D * dtype_bytes + D * V * (dtype_bytes if head_bytes is None else head_bytes))
   embed = batch * tokens * D * dtype_bytes
   kv = 2 * cfg.n_layers * batch * (kv_len + tokens) * K * H * dtype_bytes
   return {"weights": weights, "embed": embed, "kv": kv, "total": weights + embed + kv,

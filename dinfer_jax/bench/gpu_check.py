@@ -347,12 +347,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   for w in args.weights:
     if w == "bf16":
       continue
-    tag = w.replace("-", "_")
+    tag = quant.format_tag(w)
     ck.item(f"forwards_b1_{tag}", 60 * scale, lambda w=w: fwd_item(1, w))
     ck.item(f"generate_b1_threshold_{tag}", 90 * scale, lambda w=w: gen_item(1, "threshold", w))
   if 8 in args.batches:
     for w in args.weights:
-      tag = "" if w == "bf16" else "_" + w.replace("-", "_")
+      tag = "" if w == "bf16" else "_" + quant.format_tag(w)
       ck.item(f"forwards_b8{tag}", 45 * scale, lambda w=w: fwd_item(8, w))
       ck.item(f"generate_b8_threshold{tag}", 90 * scale, lambda w=w: gen_item(8, "threshold", w))
   ck.write()

@@ -361,7 +361,9 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   grid = lay.grid
   aparams = target.abstract(abstract_inference_params(cfg, dtype, weights))
   dbytes = jnp.dtype(dtype).itemsize
-  qbytes = None if quant.QuantConfig.parse(weights) is None else 1
+  qc = quant.QuantConfig.parse(weights)
+  qbytes = None if qc is None else 1
+  head_bytes = 1 if (qc is not None and qc.lm_head) else None
   L, Tc, W = grid.block_len, grid.canvas_len, grid.window
   rows = []
   steps = {}
@@ -382,7 +384,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     tokens = Tc if kind == "full" else (int(kind.split("@")[1]) if "@" in kind else W)
     kv_len = 0 if kind == "full" else Tc
     floor = bytes_per_forward(cfg, dtype_bytes=dbytes, batch=batch, tokens=tokens, kv_len=kv_len, logits_tokens=L,
-                              quant_bytes=qbytes)
+                              quant_bytes=qbytes, head_bytes=head_bytes)
     floor_bytes = floor["total"] + batch * L * cfg.vocab_size * 4  # fp32 logits written
     routed = flops_per_forward(cfg, batch=batch, tokens=tokens, kv_len=Tc, logits_tokens=L)
     with moe.target_backend(target.backend):
@@ -520,7 +522,7 @@ def summary(rows, predictions, chip: str, weights: tuple[str, ...]) -> dict[str,
   for w in weights:
     if quant.QuantConfig.parse(w) is None:
       continue
-    tag = w.replace("-", "_")
+    tag = quant.format_tag(w)
     q1, qc1 = pick(predictions, 1, w=w), pick(rows, 1, "cached", w=w)
     b1 = pick(rows, 1, "cached", w="bf16")
     out[f"cached_bytes_{tag}_over_bf16_batch1"] = qc1[0]["bytes"] / b1[0]["bytes"] if qc1 and b1 else None
@@ -636,7 +638,7 @@ def main(argv=None) -> int:
   for key in ("cached_bytes_over_floor_batch1", "realistic_tps_batch1", "realistic_tps_batch8_aggregate",
               "kernels_per_cached_forward_batch1", "host_syncs_per_step"):
     print(f"{key}: {res[key]}")
-  tags = ["_" + w.replace("-", "_") for w in weights if w != "bf16"]
+  tags = ["_" + quant.format_tag(w) for w in weights if w != "bf16"]
   for key in sorted(k for k in res if any(k.endswith(t) or f"{t}_over" in k for t in tags)):
     print(f"{key}: {res[key]}")
   if args.json_out:

@@ -231,7 +231,7 @@ class HFCheckpoint:
     def make(path, x):
       p = tuple(k.key for k in path)
       build = lambda: self.build_leaf(p, dtype)  # noqa: E731
-      if quantize is None or quant.leaf_axes(p, len(x.shape)) is None:
+      if quantize is None or quant.leaf_axes(p, len(x.shape), quantize) is None:
         return LazyArray(x.shape, x.dtype, build, ".".join(p))
       parts = _QuantisedLeaf(p, build, quantize,
                              (lambda: self.build_quantised_leaf(p, dtype)) if self.is_quantised_leaf(p) else None)

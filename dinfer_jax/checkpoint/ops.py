@@ -58,7 +58,7 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
 
 def _quant_label(q) -> str | None:
   return None if not q else f"{q['weights']} weights, {q['scales']} scales" + (
-      f" ({q['block']}x{q['block']})" if q["scales"] == "block" else "")
+      f" ({q['block']}x{q['block']})" if q["scales"] == "block" else "") + (", LM head too" if q.get("lm_head") else "")
 
 
 def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None = None, overwrite: bool = False,

@@ -45,10 +45,13 @@ _PARENTS = {"q": None, "k": None, "v": None, "o": None, "gate": ("mlp", "experts
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-  """weights: "int8" or "fp8" (e4m3); scales: "channel" or "block" (block x block tiles of [out, in])."""
+  """weights: "int8" or "fp8" (e4m3); scales: "channel" or "block" (block x block tiles of [out, in]);
+  lm_head: the LM head too (per vocabulary entry), at the price of 8-bit rounding in the logits the decoder
+  thresholds."""
   weights: str = "int8"
   scales: str = "channel"
   block: int = 128
+  lm_head: bool = False
 
   def __post_init__(self):
     if self.weights not in SCHEMES:
@@ -67,7 +70,8 @@ class QuantConfig:
 
   @classmethod
   def parse(cls, spec: "QuantConfig | str | dict | None") -> "QuantConfig | None":
-    """None/"none"/"bf16" -> None; "int8", "fp8", "fp8-block", "int8-channel"; a dict; a QuantConfig."""
+    """None/"none"/"bf16" -> None; "int8", "fp8", "fp8-block", "int8-channel", "+head" for the LM head too
+    ("fp8+head"); a dict; a QuantConfig."""
     if spec is None or isinstance(spec, QuantConfig):
       return spec
     if isinstance(spec, dict):
@@ -75,8 +79,16 @@ class QuantConfig:
     s = str(spec).lower()
     if s in ("none", "bf16", "bfloat16", "float32"):
       return None
+    s, plus, head = s.partition("+")
+    if plus and head != "head":
+      raise ValueError(f"quantize {spec!r}: the only '+' option is '+head' (the LM head too)")
     weights, _, scales = s.partition("-")
-    return cls(weights=weights, scales=scales or "channel")
+    return cls(weights=weights, scales=scales or "channel", lm_head=bool(plus))
+
+
+def format_tag(spec: str) -> str:
+  """A weight format as a name suffix ("fp8-block" -> "fp8_block", "int8+head" -> "int8_head")."""
+  return spec.replace("-", "_").replace("+", "_")
 
 
 def is_qarray(x) -> bool:
@@ -89,10 +101,13 @@ def is_quantized(params) -> bool:
   return any(is_qarray(x) for x in jax.tree_util.tree_leaves(params, is_leaf=is_qarray))
 
 
-def leaf_axes(path: tuple[str, ...], ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def leaf_axes(path: tuple[str, ...], ndim: int, qc: "QuantConfig | None" = None
+              ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
   """(contracting, output) axes of a quantisable leaf of `ndim` dims (stacked or per-layer, with or
-  without the expert axis), or None for a leaf that stays unquantised."""
+  without the expert axis), or None for a leaf that stays unquantised (the LM head unless qc.lm_head)."""
   name = path[-1]
+  if name == "lm_head" and len(path) == 1:
+    return ((0,), (1,)) if (qc is not None and qc.lm_head and ndim == 2) else None
   if name not in _KERNEL_AXES:
     return None
   parents = _PARENTS[name]
@@ -133,12 +148,12 @@ def tile_shape(path: tuple[str, ...], shape: tuple[int, ...], qc: QuantConfig) -
   """The tile each scale covers, per axis of the leaf: 1 on the layer and expert axes; "channel": 1 on the
   output axes and the whole contracting axes, except the experts' down projection, scaled per input channel
   (see channel_axes); "block": block-wide runs of the flattened contracting and output axes."""
-  axes = leaf_axes(path, len(shape))
+  axes = leaf_axes(path, len(shape), qc)
   if axes is None:
     raise ValueError(f"{'/'.join(path)}: not a quantisable weight")
   ca, oa = axes
   if qc.scales == "channel":
-    keep = set(channel_axes(path, len(shape)))
+    keep = set(channel_axes(path, len(shape), qc))
     return tuple(1 if a in keep else s for a, s in enumerate(shape))
   tiles = [1] * len(shape)
   what = f"{'/'.join(path)} {tuple(shape)}"
@@ -148,12 +163,12 @@ def tile_shape(path: tuple[str, ...], shape: tuple[int, ...], qc: QuantConfig) -
   return tuple(tiles)
 
 
-def channel_axes(path: tuple[str, ...], ndim: int) -> tuple[int, ...]:
+def channel_axes(path: tuple[str, ...], ndim: int, qc: "QuantConfig | None" = None) -> tuple[int, ...]:
   """Axes with one scale per index under the "channel" scheme: the layer and expert axes and the output
   axes. The experts' down projection is the exception, scaled per (expert, input channel): the dense
   all-experts path contracts experts and F in one GEMM ("ETF,EFD->TD"), where a per-(expert, output) scale
   cannot be applied after the sum, while a per-(expert, F) one folds into the activations before it."""
-  ca, oa = leaf_axes(path, ndim)
+  ca, oa = leaf_axes(path, ndim, qc)
   lead = tuple(range(min(ca + oa)))
   if path[-1] == "down" and len(path) >= 2 and path[-2] == "experts":
     return lead + ca
@@ -197,7 +212,7 @@ def quantize_params(params: dict[str, Any], qc: QuantConfig | str) -> dict[str, 
 
   def one(path, w):
     keys = tuple(k for k in _keys(path) if isinstance(k, str))
-    if is_qarray(w) or leaf_axes(keys, np.ndim(w)) is None:
+    if is_qarray(w) or leaf_axes(keys, np.ndim(w), qc) is None:
       return w
     return quantize_leaf(keys, w, qc)
 

@@ -174,5 +174,5 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
   if logits_len is not None:
     x = slice_rows(x, logits_start, logits_len)
   # Logits in fp32: decoding confidences and thresholds are computed from them.
-  logits = jnp.einsum("BTD,DV->BTV", x, params["lm_head"].astype(dt), preferred_element_type=jnp.float32)
+  logits = quant.einsum("BTD,DV->BTV", x, params["lm_head"], preferred_element_type=jnp.float32)
   return ForwardOut(logits=shard(logits, ("act_batch", "act_len", "vocab")), kv=kv)

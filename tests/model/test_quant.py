@@ -87,6 +87,14 @@ def test_only_the_matmul_weights_are_quantised():
                                                                  "q_norm", "final_norm"))
   b = quant.weight_bytes(qp)
   assert b["qvalue"] > 0 and b["scale"] * 10 < b["qvalue"]
+  # "+head": the LM head too, one scale per vocabulary entry; the forward stays the dequantised one.
+  qh = quant.quantize_params(m.params, "fp8+head")
+  assert quant.is_qarray(qh["lm_head"]) and qh["lm_head"].scale.shape == (1, m.config.vocab_size)
+  x = jnp.arange(10)[None] % m.config.vocab_size
+  np.testing.assert_allclose(forward(qh, m.config, x).logits, forward(quant.dequantize_params(qh), m.config, x).logits,
+                             atol=1e-5)
+  with pytest.raises(ValueError, match="only '\\+' option is '\\+head'"):
+    quant.QuantConfig.parse("fp8+embed")
 
 
 # The default run takes each model and each scheme once (tiny_llada_moe twice); -m slow the whole matrix.
