@@ -216,6 +216,15 @@ def test_committed_predictions_cover_the_gpu_check():
       assert p["syncs_step"] == 0  # compiled with the device-driven loop
       t = gpu_check.predicted_generate_s(p, 16, 1008, 16)
       assert 0 < t["ideal_s"] < t["realistic_s"]
+  # The 8-bit items (--weights fp8,int8) have theirs too: the threshold setting at batch 1 and 8, cheaper
+  # cached forwards than bf16's.
+  for w in ("int8", "fp8"):
+    for batch in (1, 8):
+      p, b = (gpu_check.predicted(preds, "llada_moe_7b_a1b", "threshold", batch, w),
+              gpu_check.predicted(preds, "llada_moe_7b_a1b", "threshold", batch))
+      assert p is not None, (w, batch)
+      assert p["fwd"]["cached"]["realistic_ms"] < b["fwd"]["cached"]["realistic_ms"]
+      assert p["fwd"]["cached"]["dequantized_copy_bytes"] == 0
 
 
 def test_gpu_check_needs_a_gpu_without_tiny(monkeypatch):

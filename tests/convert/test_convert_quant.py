@@ -24,7 +24,8 @@ def _qleaves(params):
   return {jax.tree_util.keystr(p): x for p, x in flat}
 
 
-@pytest.mark.parametrize("name,spec", [("llada_moe", "int8-channel"), ("llada2_moe", "fp8-block")])
+@pytest.mark.parametrize("name,spec", [("llada_moe", "int8-channel"),
+                                       pytest.param("llada2_moe", "fp8-block", marks=pytest.mark.slow)])
 def test_hf2jax_quantize_matches_quantise_on_load_bit_exact(tmp_path, name, spec):
   qc = quant.QuantConfig.parse(spec)
   qc = quant.QuantConfig(qc.weights, qc.scales, block=16)  # the tiny models' D is 64: several blocks each
@@ -85,6 +86,7 @@ def _run(*args):
                         text=True, timeout=180)
 
 
+@pytest.mark.slow  # three CLI subprocesses; the same paths run in-process in the default run
 def test_cli_quantize_inspect_and_jax2hf_refusal(tmp_path):
   r = _run("hf2jax", MODELS["llada_moe"], tmp_path / "q", "--quantize", "fp8", "--scales", "block")
   assert r.returncode == 0, r.stderr
