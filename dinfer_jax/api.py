@@ -110,10 +110,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
     raise checkpoint.CheckpointError(f"{p}: neither an HF checkpoint (config.json + *.safetensors) nor a "
                                      "converted dinfer-jax checkpoint")
   if qc is not None:
-    if quant.is_quantized(params):
-      # An 8-bit checkpoint asked for another format (e.g. FP8 block scales -> per-channel, the fast GEMM
-      # path): requantised from its dequantised values.
-      params = quant.dequantize_params(params, jnp.float32)
+    # An 8-bit checkpoint asked for another format (e.g. FP8 block scales -> per channel, the fast GEMM path)
+    # is requantised leaf by leaf; one already in that format is kept as stored.
     params = quant.quantize_params(params, qc)
   if mesh is not None and quant.is_quantized(params):
     params = jax.device_put(params, param_shardings(params, params_lib.logical_axes(cfg), mesh))

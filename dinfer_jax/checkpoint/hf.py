@@ -14,11 +14,11 @@ from dinfer_jax.checkpoint import keymap
 from dinfer_jax.checkpoint.converted import CONFIG_NAME, LazyArray, leaf_dtype, norm_dtype, read_config_file
 from dinfer_jax.checkpoint.errors import CheckpointError
 from dinfer_jax.checkpoint.safetensors_io import FLOAT_CODES, INDEX_NAME, SINGLE_NAME, WeightSet, dtype_name
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.model.params import abstract_params
 
 FP8_CODE = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
-from dinfer_jax.config import ModelConfig
-from dinfer_jax.model.params import abstract_params
 
 
 def _count_nonfinite(x: np.ndarray, chunk: int = 1 << 22) -> int:
@@ -235,9 +235,8 @@ class HFCheckpoint:
         return LazyArray(x.shape, x.dtype, build, ".".join(p))
       parts = _QuantisedLeaf(p, build, quantize,
                              (lambda: self.build_quantised_leaf(p, dtype)) if self.is_quantised_leaf(p) else None)
-      q = jax.eval_shape(lambda a: quant.quantize_leaf(p, a, quantize), x)
-      return {name: LazyArray(getattr(q, name).shape, getattr(q, name).dtype,
-                              (lambda n=name: parts.take(n)), ".".join(p + (name,)))
+      shapes = {"qvalue": (x.shape, quantize.qtype), "scale": (quant.scale_shape(p, x.shape, quantize), np.float32)}
+      return {name: LazyArray(*shapes[name], (lambda n=name: parts.take(n)), ".".join(p + (name,)))
               for name in quant.STORED_PARTS}
 
     return jax.tree_util.tree_map_with_path(make, abstract_params(self.cfg, dtype))

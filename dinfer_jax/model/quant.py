@@ -3,7 +3,7 @@
 The quantised leaves are google's qwix `QArray`s (qvalue int8/float8_e4m3fn + fp32 scale with one entry per
 tile), so a quantised param tree is still a plain pytree at every jit boundary. Which leaves: the attention
 projections (q, k, v, o), the dense FFN, the routed experts and the shared expert. The embedding, router,
-norms and LM head stay in the model dtype: the router picks experts (an 8-bit router moves the top-k), the
+norms and LM head stay in the model dtype (the LM head only unless QuantConfig.lm_head): the router picks experts (an 8-bit router moves the top-k), the
 LM head's logits are the decoder's confidences, and the embedding is a gather of a few rows.
 
 Scales (absmax calibration, symmetric, no zero point):
@@ -205,15 +205,21 @@ def _keys(path) -> tuple[str, ...]:
 
 
 def quantize_params(params: dict[str, Any], qc: QuantConfig | str) -> dict[str, Any]:
-  """The param tree with every quantisable weight replaced by a QArray (the rest unchanged)."""
+  """The param tree with every quantisable weight replaced by a QArray (the rest unchanged). A weight that is
+  already a QArray stays as it is when it has qc's format (value dtype and scale grid), and is requantised
+  from its fp32 dequantised values otherwise (one leaf at a time: e.g. FP8 block scales -> per channel)."""
   qc = QuantConfig.parse(qc)
   if qc is None:
     return params
 
   def one(path, w):
     keys = tuple(k for k in _keys(path) if isinstance(k, str))
-    if is_qarray(w) or leaf_axes(keys, np.ndim(w), qc) is None:
+    if leaf_axes(keys, np.ndim(w), qc) is None:
       return w
+    if is_qarray(w):
+      if w.qvalue.dtype == qc.qtype and tuple(w.scale.shape) == scale_shape(keys, w.shape, qc):
+        return w
+      w = dequantize(w, jnp.float32)
     return quantize_leaf(keys, w, qc)
 
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_qarray)
@@ -224,8 +230,7 @@ def dequantize(w, dtype=None):
   if not is_qarray(w):
     return w
   import qwix
-  out = qwix.dequantize(w if dtype is None else w.astype(dtype))
-  return out
+  return qwix.dequantize(w if dtype is None else w.astype(dtype))
 
 
 def dequantize_params(params, dtype=None):

@@ -48,6 +48,12 @@ def test_hf2jax_quantize_matches_quantise_on_load_bit_exact(tmp_path, name, spec
     else:
       np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]))
   assert n_q > 0
+  # Asking for the format the checkpoint already has keeps it as stored (no requantisation).
+  again = _qleaves(dinfer_jax.load(tmp_path / "q", dtype="bfloat16", quantize=qc).params)
+  for k in a:
+    if quant.is_qarray(a[k]):
+      # (a requantisation would not reproduce them: absmax of 127 or 128 steps over qwix's 127.5)
+      np.testing.assert_array_equal(np.asarray(again[k].scale), np.asarray(a[k].scale))
   ids = np.arange(12).reshape(1, 12) % stored.config.vocab_size
   np.testing.assert_array_equal(np.asarray(dinfer_jax.forward(stored, ids)), np.asarray(dinfer_jax.forward(onload, ids)))
   # The 8-bit values are what is on disk: the matmul weights take about half the bf16 bytes.
@@ -161,6 +167,11 @@ def test_hf_fp8_loads_as_stored_and_round_trips_bit_exact(tmp_path):
   a, b = _qleaves(quant.dequantize_params(m.params)), _qleaves(ref.params)
   for k in b:
     np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+  # quantize="fp8" requantises the block-scaled weights per channel (the fast GEMM path).
+  ch = dinfer_jax.load(fp8, dtype="float32", quantize="fp8").params["moe_layers"]["experts"]["gate"]
+  assert ch.qvalue.dtype == quant.SCHEMES["fp8"] and ch.scale.shape == q.shape[:-2] + (1, q.shape[-1])
+  err = np.abs(np.asarray(quant.dequantize(ch)) - np.asarray(quant.dequantize(q))).max()
+  assert 0 < err <= np.abs(np.asarray(quant.dequantize(q))).max() * 2 ** -3
   # hf2jax keeps the FP8 values and scales as they are; jax2hf writes the same tensors back.
   s = checkpoint.hf2jax(fp8, tmp_path / "j")
   assert s["quantization"] == "fp8 weights, block scales (16x16)"
