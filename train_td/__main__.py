@@ -34,18 +34,24 @@ def _floats(text: str) -> tuple[float, ...]:
   return tuple(float(w) for w in text.split(","))
 
 
-def _parse_mix(text: str) -> tuple[tuple[str, float], ...]:
+def _parse_mix(text: str, flag: str = "--mix", example: str = "arithmetic=0.7,program=0.3",
+               key=str.strip) -> tuple[tuple, ...]:
   """'arithmetic=0.7,program=0.3' -> (("arithmetic", 0.7), ("program", 0.3))."""
   out = []
   for item in text.split(","):
     name, eq, w = item.partition("=")
     try:
-      out.append((name.strip(), float(w)))
+      out.append((key(name), float(w)))
     except ValueError:
-      raise ValueError(f"--mix: expected NAME=WEIGHT items like arithmetic=0.7,program=0.3, got {item!r}") from None
+      raise ValueError(f"{flag}: expected NAME=WEIGHT items like {example}, got {item!r}") from None
     if not eq:
-      raise ValueError(f"--mix: expected NAME=WEIGHT, got {item!r}")
+      raise ValueError(f"{flag}: expected NAME=WEIGHT, got {item!r}")
   return tuple(out)
+
+
+def _parse_canvases(text: str) -> tuple[tuple[int, float], ...]:
+  """'8=0.5,64=0.5' -> ((8, 0.5), (64, 0.5))."""
+  return _parse_mix(text, "--canvases", "8=0.4,16=0.2,32=0.2,64=0.2", key=lambda n: int(n.strip()))
 
 
 def _add_train(sub):
@@ -62,6 +68,10 @@ def _add_train(sub):
     if f.name == "mix":
       p.add_argument(flag, type=str, default=argparse.SUPPRESS,
                      help=f"task mix, e.g. arithmetic=0.7,program=0.3 (default {_mix_text(f.default)})")
+    elif f.name == "canvases":
+      p.add_argument(flag, type=str, default=argparse.SUPPRESS,
+                     help="answer-region lengths with weights, e.g. 8=0.4,16=0.2,32=0.2,64=0.2 (default: each "
+                          "task's own region)")
     elif f.name == "arithmetic_op_weights":
       p.add_argument(flag, dest=f.name, type=_floats, default=argparse.SUPPRESS,
                      help=f"training frequency of +,-,* (default {','.join(map(str, f.default))}), e.g. 1,1,2")
@@ -100,6 +110,8 @@ def cmd_train(args) -> int:
   given = {f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.TrainConfig) if hasattr(args, f.name)}
   if "mix" in given:
     given["mix"] = _parse_mix(given["mix"])
+  if "canvases" in given:
+    given["canvases"] = _parse_canvases(given["canvases"])
   if args.td:
     return cmd_train_td(args, given, mesh)
   saved = pathlib.Path(args.run_dir) / trainer.TRAIN_CONFIG

@@ -62,6 +62,10 @@ class DataConfig:
   seed: int = 0
   arithmetic_op_weights: tuple[float, ...] | None = DEFAULT_ARITHMETIC_OP_WEIGHTS
   task_answer_len: tuple[tuple[str, int], ...] = tuple(DEFAULT_TASK_ANSWER_LEN.items())
+  # Canvas lengths a batch's answer region is drawn from, with weights (empty: each task's fixed region).
+  # A task draws among the lengths at least its own region (long sums: 32 and 64 of 8,16,32,64), and a
+  # longer canvas gets proportionally fewer rows, so every step costs about the same tokens.
+  canvases: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     if not self.mix:
@@ -73,6 +77,13 @@ class DataConfig:
         raise ValueError(f"mix: weight of {name!r} must be a number > 0, got {w!r}")
     if self.batch_size < 1 or self.answer_len < 1:
       raise ValueError(f"batch_size and answer_len must be >= 1, got {self.batch_size}, {self.answer_len}")
+    for length, w in self.canvases:
+      if not (isinstance(length, int) and length >= 1 and np.isfinite(w) and w > 0):
+        raise ValueError(f"canvases: need LENGTH=WEIGHT with an int length >= 1 and weight > 0, got {length}={w}")
+    for name, _ in self.mix:
+      if self.canvases and not self.canvas_choices(name)[0]:
+        raise ValueError(f"canvases: none of {[c for c, _ in self.canvases]} holds task {name!r}'s answer region "
+                         f"of {self.answer_len_for(name)} tokens")
     if self.arithmetic_op_weights is not None:
       self.train_task("arithmetic")  # ArithmeticTask validates the weights (count, sign) here, not mid-run
 
@@ -81,6 +92,23 @@ class DataConfig:
 
   def answer_len_for(self, task: str) -> int:
     return dict(self.task_answer_len).get(task, self.answer_len)
+
+  def canvas_choices(self, task: str) -> tuple[list[int], np.ndarray]:
+    """(lengths, probabilities) of the answer region of `task`'s batches."""
+    base = self.answer_len_for(task)
+    if not self.canvases:
+      return [base], np.ones(1)
+    pairs = [(c, w) for c, w in self.canvases if c >= base]
+    w = np.asarray([w for _, w in pairs], np.float64)
+    return [c for c, _ in pairs], w / max(w.sum(), 1e-300)
+
+  def rows_for(self, task: str, canvas: int) -> int:
+    """Rows of a batch whose answer region is `canvas` long: batch_size at the task's own region, fewer
+    (a multiple of 8, at least 8) for longer canvases, so the tokens per step stay about the same."""
+    base, width = self.answer_len_for(task), self.width(task)
+    if canvas == base:
+      return self.batch_size
+    return max(8, int(round(self.batch_size * (width + base) / (width + canvas) / 8)) * 8)
 
   def train_task(self, name: str) -> tasks_lib.Task:
     """The task training batches of `name` are drawn from (the registered one, reweighted if asked)."""
@@ -129,8 +157,15 @@ def get_batch(dcfg: DataConfig, step: int) -> tuple[str, dict[str, np.ndarray]]:
   # A distinct, reproducible problem stream per (seed, step).
   stream_seed = int(np.random.default_rng([dcfg.seed, step, 11]).integers(2**62))
   it = tasks_lib.iter_problems(dcfg.train_task(task), "train", stream_seed)
-  problems = [next(it) for _ in range(dcfg.batch_size)]
-  return task, make_rows(problems, dcfg.width(task), dcfg.answer_len_for(task))
+  lengths, p = dcfg.canvas_choices(task)
+  canvas = lengths[int(np.random.default_rng([dcfg.seed, step, 13]).choice(len(lengths), p=p))]
+  problems = [next(it) for _ in range(dcfg.rows_for(task, canvas))]
+  rows = make_rows(problems, dcfg.width(task), canvas)
+  if dcfg.canvases:
+    # The loss is normalised by the task's own region, not the canvas: a long canvas's EOS padding adds
+    # terms without diluting the answer's (train_td.objective.masked_diffusion_loss).
+    rows["norm_len"] = np.full(len(problems), dcfg.answer_len_for(task), np.float32)
+  return task, rows
 
 
 def n_tokens(batch: Mapping[str, np.ndarray]) -> int:

@@ -46,7 +46,7 @@ def mixed_precision(loss_fn: LossFn, compute_dtype: str | None) -> LossFn:
 
 
 def masked_diffusion_loss_from_masked(logits: jax.Array, targets: jax.Array, masked: jax.Array, t: jax.Array,
-                                      answer_len: jax.Array) -> jax.Array:
+                                      answer_len: jax.Array, forced: jax.Array | None = None) -> jax.Array:
   """Per-row LLaDA SFT loss given which positions were masked.
 
   Args:
@@ -55,14 +55,20 @@ def masked_diffusion_loss_from_masked(logits: jax.Array, targets: jax.Array, mas
     masked: [B, T] bool, positions replaced by <|mask|> (only answer positions).
     t: [B] masking ratio of each row (the loss is weighted by 1/t).
     answer_len: [B] answer-region length the row's loss is normalised by.
+    forced: [B, T] bool or None, positions masked by a block cut (sample_block_cut) rather than with
+      probability t: weighted 1, not 1/t (a row with small t and a cut near the start would otherwise
+      weigh its many forced positions by up to 1/eps).
 
   Returns:
-    [B] per-row loss: sum over masked positions of CE / t, divided by answer_len.
+    [B] per-row loss: sum over masked positions of CE / t (CE on forced ones), divided by answer_len.
   """
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   ce = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  ce = jnp.where(masked, ce, 0.0)
-  return ce.sum(-1) / t / answer_len.astype(jnp.float32)
+  weight = jnp.broadcast_to(1.0 / t[:, None], ce.shape)
+  if forced is not None:
+    weight = jnp.where(forced, 1.0, weight)
+  ce = jnp.where(masked, ce * weight, 0.0)
+  return ce.sum(-1) / answer_len.astype(jnp.float32)
 
 
 def sample_mask(rng: jax.Array, answer: jax.Array, eps: float = 1e-3) -> tuple[jax.Array, jax.Array]:
@@ -74,18 +80,45 @@ def sample_mask(rng: jax.Array, answer: jax.Array, eps: float = 1e-3) -> tuple[j
   return t, masked
 
 
+def sample_block_cut(rng: jax.Array, answer: jax.Array, prob: float) -> jax.Array:
+  """[B, T] bool: with probability `prob` per row, every answer position from a cut drawn uniformly over
+  the row's answer region onwards (else nothing).
+
+  Block-wise decoding shows the model a canvas whose later blocks are still all masked while the current
+  one fills; independent masking at ratio t almost never does on a long canvas (56 masked positions
+  after an 8-token answer need t close to 1), so a model trained only that way changes its answer when the
+  canvas grows.
+  """
+  k_on, k_cut = jax.random.split(rng)
+  B = answer.shape[0]
+  region = jnp.cumsum(answer, axis=-1) - 1  # index within the answer region; -1 before it
+  n = answer.sum(-1)
+  cut = jnp.floor(jax.random.uniform(k_cut, (B,)) * n).astype(jnp.int32)
+  on = jax.random.uniform(k_on, (B,)) < prob
+  return answer & on[:, None] & (region >= cut[:, None])
+
+
 def masked_diffusion_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConfig, mask_id: int,
-                          eps: float = 1e-3, moe_impl: str | None = "dense",
-                          remat: bool = False) -> tuple[jax.Array, dict]:
+                          eps: float = 1e-3, moe_impl: str | None = "dense", remat: bool = False,
+                          block_prob: float = 0.0) -> tuple[jax.Array, dict]:
   """LLaDA's masked-diffusion SFT loss on a batch (prompt never masked, answer + EOS padding masked with
-  probability t, CE on masked positions weighted 1/t, normalised by the answer length, batch mean)."""
+  probability t, CE on masked positions weighted 1/t, normalised by the answer length, batch mean).
+
+  block_prob: the share of rows that also mask everything after a random cut (sample_block_cut). The
+  batch may carry norm_len [B] (train_td.data with canvases): the length a row's loss is normalised by
+  in place of its answer region's.
+  """
   tokens, answer = batch["tokens"], batch["answer"]
   t, masked = sample_mask(rng, answer, eps)
+  forced = None
+  if block_prob:
+    forced = sample_block_cut(jax.random.fold_in(rng, 1), answer, block_prob)
+    masked = masked | forced
   noised = jnp.where(masked, mask_id, tokens)
   logits = forward(params, cfg, noised, positions=batch["positions"], mask=batch["valid"],
                    moe_impl=moe_impl, remat=remat).logits
-  answer_len = answer.sum(-1)
-  per_row = masked_diffusion_loss_from_masked(logits, tokens, masked, t, answer_len)
+  answer_len = batch["norm_len"] if "norm_len" in batch else answer.sum(-1)
+  per_row = masked_diffusion_loss_from_masked(logits, tokens, masked, t, answer_len, forced)
   loss = per_row.mean()
   n_masked = masked.sum()
   logp = jax.nn.log_softmax(logits, axis=-1)
@@ -101,12 +134,13 @@ def masked_diffusion_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConf
 
 
 def make_loss_fn(cfg: ModelConfig, *, mask_id: int | None = None, eps: float = 1e-3,
-                 moe_impl: str | None = "dense", remat: bool = False, compute_dtype: str | None = None) -> LossFn:
+                 moe_impl: str | None = "dense", remat: bool = False, compute_dtype: str | None = None,
+                 block_prob: float = 0.0) -> LossFn:
   """The masked-diffusion loss bound to a model config: loss_fn(params, batch, rng). remat: gradient
-  checkpointing per layer; compute_dtype: see mixed_precision."""
+  checkpointing per layer; compute_dtype: see mixed_precision; block_prob: see masked_diffusion_loss."""
   return mixed_precision(functools.partial(masked_diffusion_loss, cfg=cfg,
                                            mask_id=cfg.mask_token_id if mask_id is None else mask_id, eps=eps,
-                                           moe_impl=moe_impl, remat=remat), compute_dtype)
+                                           moe_impl=moe_impl, remat=remat, block_prob=block_prob), compute_dtype)
 
 
 # ------------------------------------------------------------------------------ trajectory distillation

@@ -78,6 +78,12 @@ class TrainConfig:
   mix: tuple[tuple[str, float], ...] = data_lib.DEFAULT_MIX
   arithmetic_op_weights: tuple[float, ...] = data_lib.DEFAULT_ARITHMETIC_OP_WEIGHTS  # "+", "-", "*"
   answer_len: int = 8
+  # Canvas lengths of the answer region with weights, e.g. ((8, 0.4), (16, 0.2), (32, 0.2), (64, 0.2))
+  # (empty: each task's fixed region; train_td.data.DataConfig.canvases), and the share of rows whose
+  # answer is also masked from a random cut onwards, as block-wise decoding leaves it
+  # (train_td.objective.sample_block_cut). Together they make the answer independent of the canvas.
+  canvases: tuple[tuple[int, float], ...] = ()
+  block_mask_prob: float = 0.0
   seed: int = 0
   # start from another run's latest checkpoint, or from a model ("default" or an HF directory) of this
   # architecture: params only, fresh optimizer and schedule (fine-tuning)
@@ -110,6 +116,8 @@ class TrainConfig:
       v = getattr(self, name)
       if not (isinstance(v, (int, float)) and 0 <= v <= hi and not math.isnan(v)):
         raise ValueError(f"{name} must be a number in [0, {hi}], got {v!r}")
+    if not (isinstance(self.block_mask_prob, (int, float)) and 0 <= self.block_mask_prob <= 1):
+      raise ValueError(f"block_mask_prob must be a number in [0, 1], got {self.block_mask_prob!r}")
     if not isinstance(self.remat, bool):
       raise ValueError(f"remat must be a bool, got {self.remat!r}")
     if self.compute_dtype not in objective.COMPUTE_DTYPES:
@@ -127,6 +135,7 @@ class TrainConfig:
   def data_config(self) -> data_lib.DataConfig:
     return data_lib.DataConfig(mix=tuple(tuple(m) for m in self.mix), batch_size=self.batch_size,
                                answer_len=self.answer_len, seed=self.seed,
+                               canvases=tuple((int(c), float(w)) for c, w in self.canvases),
                                arithmetic_op_weights=tuple(self.arithmetic_op_weights))
 
   def to_json(self) -> dict:
@@ -138,6 +147,8 @@ class TrainConfig:
     d = dict(d)
     if "mix" in d:
       d["mix"] = tuple((str(n), float(w)) for n, w in d["mix"])
+    if "canvases" in d:
+      d["canvases"] = tuple((int(c), float(w)) for c, w in d["canvases"])
     # Runs written before the field existed drew the operators uniformly.
     d["arithmetic_op_weights"] = tuple(float(w) for w in d.get("arithmetic_op_weights", (1.0, 1.0, 1.0)))
     return cls(**d)
@@ -215,7 +226,8 @@ def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransfor
 def _default_step(tc: TrainConfig, mesh: jax.sharding.Mesh | None = None):
   # One compiled step per config: runs of the same config in one process (tests, resume) reuse it.
   return make_train_step(objective.make_loss_fn(tc.model_config(), eps=tc.eps_t, moe_impl=tc.moe_impl,
-                                               remat=tc.remat, compute_dtype=tc.compute_dtype),
+                                               remat=tc.remat, compute_dtype=tc.compute_dtype,
+                                               block_prob=tc.block_mask_prob),
                          make_optimizer(tc), mesh=mesh, cfg=tc.model_config())
 
 
