@@ -187,7 +187,7 @@ def test_prompts_outside_the_models_training_are_flagged(capsys):
   assert [r["trained_task"] for r in rows] == ["arithmetic", None, None, None]
   assert all(r["answer"] for r in rows)  # answered all the same
   warned = [l for l in out.err.splitlines() if l.startswith("warning: prompt")]
-  assert warned == [f"warning: prompt {i} is outside what the model was trained on (arithmetic, program, add): "
+  assert warned == [f"warning: prompt {i} is outside what the model was trained on (arithmetic, program, add, split): "
                     "its answer is likely wrong" for i in (1, 2, 3)]
   assert cli.main(["generate", "What is 348+279?"]) == 0
   assert "outside what the model" not in capsys.readouterr().err
