@@ -49,6 +49,11 @@ def _parse_mix(text: str, flag: str = "--mix", example: str = "arithmetic=0.7,pr
   return tuple(out)
 
 
+def parse_task_weights(text: str) -> tuple[tuple[str, float], ...]:
+  """'split=0.4,arithmetic=0.3' -> (("split", 0.4), ("arithmetic", 0.3)); '' -> () (by trajectories)."""
+  return _parse_mix(text, "--task-weights", "split=0.4,arithmetic=0.3") if text else ()
+
+
 def _parse_canvases(text: str) -> tuple[tuple[int, float], ...]:
   """'8=0.5,64=0.5' -> ((8, 0.5), (64, 0.5))."""
   return _parse_mix(text, "--canvases", "8=0.4,16=0.2,32=0.2,64=0.2", key=lambda n: int(n.strip()))
@@ -90,6 +95,8 @@ def _add_train(sub):
   td.add_argument("--base", default="default", help="model to distill (directory or 'default')")
   td.add_argument("--mdm-weight", type=float, default=0.0, help="weight of the masked-diffusion loss mixed in")
   td.add_argument("--cf-weight", type=float, default=0.0, help="weight of the certainty-forcing entropy term")
+  td.add_argument("--task-weights", default="", metavar="TASK=W,...", help="how often each task's trajectories "
+                  "make a batch (default: in proportion to their number)")
   from dinfer_jax.sharding import add_parallel_flags
   add_parallel_flags(p)
   p.set_defaults(func=cmd_train)
@@ -134,7 +141,8 @@ def cmd_train_td(args, kw, mesh=None) -> int:
   import jax
 
   from train_td import td_train
-  tdc = td_train.TDConfig(data=args.td, base=args.base, mdm_weight=args.mdm_weight, cf_weight=args.cf_weight)
+  tdc = td_train.TDConfig(data=args.td, base=args.base, mdm_weight=args.mdm_weight, cf_weight=args.cf_weight,
+                          task_weights=parse_task_weights(args.task_weights))
   for f in td_train.ARCH_FIELDS:
     kw.pop(f, None)  # the base model's
   out = td_train.train(tdc, args.run_dir, resume=True if args.resume else None,
@@ -185,13 +193,18 @@ def _add_distill(sub):
   p.add_argument("--warmup-steps", type=int, default=50)
   p.add_argument("--mdm-weight", type=float, default=0.5)
   p.add_argument("--cf-weight", type=float, default=0.5)
+  p.add_argument("--task-weights", default="", metavar="TASK=W,...",
+                 help="how often each task makes a TD batch (default: in proportion to its trajectories)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace an existing model directory at --out (anything else there is refused)")
   p.add_argument("--no-progress", action="store_true")
   p.set_defaults(func=cmd_distill)
 
 
 def cmd_distill(args) -> int:
   from train_td import distill
+  args.task_weights = parse_task_weights(args.task_weights)
   return distill.main(args)
 
 

@@ -4,8 +4,8 @@
       [--tasks arithmetic,program,add] [--n arithmetic=20000,...] [--steps 1500 ...]
 
 Every stage resumes: collect skips finished shards (under jax.distributed each process collects its share;
-the training and export stages are single-process), the run resumes from its last checkpoint, export
-rewrites the output. Trajectories are decoded with the base model's own generation settings
+the training and export stages are single-process), the run resumes from its last checkpoint; an existing
+--out is refused before any work unless --overwrite is given and it is a model directory. Trajectories are decoded with the base model's own generation settings
 (generation_config.json and its prompt rules), the setting the TD model is then evaluated at; the export
 ships the same generation_config.json, so base and TD decode identically unless told otherwise.
 """
@@ -41,7 +41,13 @@ def main(args) -> int:
   for t in tasks:
     tasks_lib.get_task(t)
   counts = parse_counts(args.n, tasks)
+  weights = tuple(getattr(args, "task_weights", ()) or ())  # parsed by the CLI: ((task, weight), ...)
+  if weights and sorted(n for n, _ in weights) != sorted(tasks):
+    raise ValueError(f"--task-weights must name exactly the --tasks {tasks}, got {[n for n, _ in weights]}")
   work = pathlib.Path(args.work)
+  overwrite = getattr(args, "overwrite", False)
+  # Refuse a bad --out now, not after an hour of collecting and training.
+  export.check_out(args.out, overwrite=overwrite)
   base = dinfer_jax.load(args.base)
   t0 = time.time()
   stages = {}
@@ -57,7 +63,8 @@ def main(args) -> int:
                           process_count=jax.process_count())
     stages[f"collect_{t}"] = dict(got, seconds=round(time.time() - ts, 1))
     dirs.append(str(d))
-  tdc = td_train.TDConfig(data=",".join(dirs), base=args.base, mdm_weight=args.mdm_weight, cf_weight=args.cf_weight)
+  tdc = td_train.TDConfig(data=",".join(dirs), base=args.base, mdm_weight=args.mdm_weight, cf_weight=args.cf_weight,
+                          task_weights=weights)
   ts = time.time()
   run = work / "run"
   out = td_train.train(tdc, run, progress=not args.no_progress, steps=args.steps, batch_size=args.batch_size,
@@ -65,6 +72,6 @@ def main(args) -> int:
                        log_every=10)
   stages["train"] = {"step": out["step"], "seconds": round(time.time() - ts, 1)}
   gen = read_generation_file(base.path) or None
-  stages["export"] = export.export_run(run, args.out, generation_config=gen)
+  stages["export"] = export.export_run(run, args.out, generation_config=gen, overwrite=overwrite)
   print(json.dumps({"stages": stages, "seconds": round(time.time() - t0, 1), "out": args.out}))
   return 0

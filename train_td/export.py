@@ -73,6 +73,16 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
   }
 
 
+def check_out(out: os.PathLike, *, overwrite: bool = False) -> bool:
+  """Refuses an export destination that exists, unless overwrite=True and it is a model directory (an HF
+  checkpoint, e.g. the shipped default model) or an earlier dinfer-jax output. Returns whether an existing
+  model directory will be replaced."""
+  out = pathlib.Path(out)
+  replace_model = overwrite and checkpoint.is_hf_checkpoint(out)
+  outdir.check_destination(out, overwrite=overwrite, replace_unmarked=replace_model)
+  return replace_model
+
+
 def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "float32",
                   generation_config: Mapping[str, Any] | None = None, overwrite: bool = False,
                   like: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -83,9 +93,7 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
   `generation_config` is given. Without it: train_td's format (hf_config(cfg), the character tokenizer,
   DEFAULT_GENERATION unless given).
 
-  An existing `out` is replaced only with overwrite=True, and only when it is a model directory (an HF
-  checkpoint, e.g. the shipped default model) or an earlier dinfer-jax output: `--out .` never empties
-  the working directory.
+  An existing `out` is replaced only as check_out allows: `--out .` never empties the working directory.
   """
   import ml_dtypes
   np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
@@ -99,8 +107,7 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
   host = jax.tree_util.tree_map(lambda x: np.asarray(jax.device_get(x), np.float32).astype(np_dtype), params)
   out = pathlib.Path(out)
   # Refuse before any work: an existing out without overwrite, or one that is not a model.
-  replace_model = overwrite and checkpoint.is_hf_checkpoint(out)
-  outdir.check_destination(out, overwrite=overwrite, replace_unmarked=replace_model)
+  replace_model = check_out(out, overwrite=overwrite)
   out.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(prefix="train_td_export_") as tmp:
     aux = pathlib.Path(tmp) / "aux"

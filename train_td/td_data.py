@@ -108,26 +108,40 @@ def layout(prompt_ids: Sequence[Sequence[int]], tokens: Sequence[Sequence[int]],
 class TDData:
   """Deterministic TD batches: batch s is a pure function of (seed, s) (so a resumed run replays nothing).
 
-  Each batch holds one task (drawn with probability proportional to its number of trajectories) and
-  batch_size of its trajectories drawn uniformly with replacement.
+  Each batch holds one task and batch_size of its trajectories drawn uniformly with replacement. The task is
+  drawn with probability proportional to `task_weights` when given (every task of the data named, weights
+  >= 0, at least one > 0), else to its number of trajectories: weights let a large cheap set (arithmetic)
+  keep the base's accuracy without crowding out the task with the most forwards to remove (split).
   """
   rows: dict[str, TaskRows]
   batch_size: int
   seed: int = 0
+  task_weights: tuple[tuple[str, float], ...] = ()
+
+  def __post_init__(self):
+    if self.task_weights:
+      named = dict(self.task_weights)
+      missing, extra = sorted(set(self.rows) - set(named)), sorted(set(named) - set(self.rows))
+      if missing or extra:
+        raise ValueError(f"task weights {named} must name exactly the data's tasks {sorted(self.rows)} "
+                         f"(missing {missing}, not in the data {extra})")
+      if any(w < 0 for w in named.values()) or not any(w > 0 for w in named.values()):
+        raise ValueError(f"task weights must be >= 0 with one > 0, got {named}")
 
   @classmethod
-  def load(cls, data, batch_size: int, seed: int = 0) -> "TDData":
+  def load(cls, data, batch_size: int, seed: int = 0, task_weights=()) -> "TDData":
     rec = read_records(data)
     rows = {}
     for task in sorted(set(rec["task"])):
       idx = [i for i, t in enumerate(rec["task"]) if t == task]
       rows[task] = layout([rec["prompt_ids"][i] for i in idx], [rec["tokens"][i] for i in idx],
                           [rec["commit_step"][i] for i in idx], [rec["n_steps"][i] for i in idx])
-    return cls(rows, batch_size, seed)
+    return cls(rows, batch_size, seed, tuple((str(n), float(w)) for n, w in task_weights))
 
   def get_batch(self, step: int) -> tuple[str, dict[str, np.ndarray]]:
     names = sorted(self.rows)
-    w = np.asarray([len(self.rows[n].n_steps) for n in names], np.float64)
+    named = dict(self.task_weights)
+    w = np.asarray([named[n] if named else len(self.rows[n].n_steps) for n in names], np.float64)
     rng = np.random.default_rng([self.seed, step, 13])
     task = names[int(rng.choice(len(names), p=w / w.sum()))]
     r = self.rows[task]

@@ -27,11 +27,13 @@ ARCH_FIELDS = trainer.ARCH_FIELDS
 @dataclasses.dataclass(frozen=True)
 class TDConfig:
   """data: collect directories (comma-separated); base: the model distilled (directory or "default");
-  mdm_weight: weight of the masked-diffusion loss mixed in; cf_weight: weight of certainty forcing."""
+  mdm_weight: weight of the masked-diffusion loss mixed in; cf_weight: weight of certainty forcing;
+  task_weights: ((task, weight), ...) for the batches' task draw (td_data.TDData; empty: by trajectories)."""
   data: str
   base: str = "default"
   mdm_weight: float = 0.0
   cf_weight: float = 0.0
+  task_weights: tuple[tuple[str, float], ...] = ()
 
   def __post_init__(self):
     if not self.data:
@@ -40,13 +42,18 @@ class TDConfig:
       v = getattr(self, f)
       if not isinstance(v, (int, float)) or v < 0:
         raise ValueError(f"TDConfig.{f} must be a number >= 0, got {v!r}")
+    for item in self.task_weights:
+      if len(item) != 2 or not isinstance(item[0], str) or not isinstance(item[1], (int, float)) or item[1] < 0:
+        raise ValueError(f"TDConfig.task_weights: expected (task, weight >= 0) pairs, got {item!r}")
 
 
 def _check_td_config(run_dir: pathlib.Path, tdc: TDConfig) -> None:
   f = run_dir / TD_CONFIG
+  want = json.loads(json.dumps(dataclasses.asdict(tdc)))  # tuples as JSON gives them back
   if f.exists():
     saved = json.loads(f.read_text())
-    if saved != dataclasses.asdict(tdc):
+    saved.setdefault("task_weights", [])  # runs from before the field drew tasks by trajectories
+    if saved != want:
       raise ValueError(f"{f} differs from this run's TD settings ({saved}); use a new run directory")
   else:
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +69,8 @@ def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, pr
   import dinfer_jax
   base = dinfer_jax.load(tdc.base)
   tc = trainer.TrainConfig(**train_overrides, arch_from=tdc.base)
-  data = td_data.TDData.load(tdc.data, tc.batch_size, tc.seed)  # bad data fails before anything is written
+  # Bad data or weights fail before anything is written.
+  data = td_data.TDData.load(tdc.data, tc.batch_size, tc.seed, task_weights=tdc.task_weights)
   for task, rows in data.rows.items():
     if rows.tokens.shape[1] > base.config.max_position:
       raise ValueError(f"trajectories of {task} need {rows.tokens.shape[1]} positions, more than the base "

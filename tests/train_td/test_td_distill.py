@@ -224,6 +224,36 @@ def test_collect_cli(tiny_model_dir, tmp_path, capsys):
   assert saved["generation"]["threshold"] == 0.5 and saved["generation"]["cache"] == "dual"
 
 
+def _distill(tiny_model_dir, tmp_path, out, *extra):
+  from train_td import __main__ as td_main
+  return td_main.main(["distill", "--base", str(tiny_model_dir), "--out", str(out), "--work", str(tmp_path / "w"),
+                       "--tasks", "td-parity-test", "--n", "td-parity-test=4", "--batch", "4", "--steps", "2",
+                       "--batch-size", "2", "--warmup-steps", "1", "--no-progress", *extra])
+
+
+def test_distill_refuses_an_existing_out_before_any_work(tiny_model_dir, tmp_path, capsys):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "notes.txt").write_text("mine")
+  for extra in ((), ("--overwrite",)):  # not a model directory: refused even with --overwrite
+    assert _distill(tiny_model_dir, tmp_path, out, *extra) == 2
+    assert "error:" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists() and (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.slow  # collect + 2 TD steps + export, twice: -m slow
+def test_distill_overwrite_replaces_an_earlier_model(tiny_model_dir, tmp_path, capsys):
+  out = tmp_path / "td"
+  assert _distill(tiny_model_dir, tmp_path, out) == 0
+  first = (out / "model.safetensors").read_bytes()
+  assert _distill(tiny_model_dir, tmp_path, out) == 2  # exists: refused, untouched
+  assert "--overwrite" in capsys.readouterr().err and (out / "model.safetensors").read_bytes() == first
+  # The run is finished, so a rerun only re-exports: same weights, the directory replaced.
+  assert _distill(tiny_model_dir, tmp_path, out, "--overwrite") == 0
+  assert (out / "model.safetensors").read_bytes() == first
+  assert dinfer_jax.load(out).config == dinfer_jax.load(tiny_model_dir).config
+
+
 # ------------------------------------------------------------------------------------------- training
 @pytest.fixture(scope="module")
 def td_data_dir(tiny_model_dir, tmp_path_factory):
@@ -255,6 +285,32 @@ def test_td_batches_and_base_init(td_data_dir, tiny_model_dir, tmp_path):
   with pytest.raises(ValueError, match="TD settings"):
     td_train.train(td_train.TDConfig(data=str(td_data_dir), base=str(tiny_model_dir), cf_weight=1.0),
                    tmp_path / "r0", progress=False, **{**KW, "steps": 1})
+
+
+def test_task_weights_set_how_often_each_task_makes_a_batch(td_data_dir, tiny_model_dir, tmp_path):
+  rows = td_data.TDData.load(str(td_data_dir), 4, seed=0).rows["td-parity-test"]
+  two = {"a": rows, "b": rows}
+  draw = lambda **kw: [td_data.TDData(two, 4, seed=0, **kw).get_batch(s)[0] for s in range(400)]
+  assert set(draw(task_weights=(("a", 1.0), ("b", 0.0)))) == {"a"}
+  share = draw(task_weights=(("a", 3.0), ("b", 1.0))).count("a") / 400
+  assert 0.68 < share < 0.82, share  # 0.75 expected; 400 draws: +-0.07 is over 3 sigma
+  assert 0.4 < draw().count("a") / 400 < 0.6  # no weights: by trajectories, equal here
+  for bad, msg in (((("a", 1.0),), "missing \\['b'\\]"), ((("a", 1.0), ("b", 1.0), ("c", 1.0)), "not in the data"),
+                   ((("a", 0.0), ("b", 0.0)), "one > 0")):
+    with pytest.raises(ValueError, match=msg):
+      td_data.TDData(two, 4, task_weights=bad)
+  # A run records its weights; resuming with others is refused, and a run from before the field (no
+  # task_weights in td_config.json) resumes as the unweighted run it was.
+  tdc = td_train.TDConfig(data=str(td_data_dir), base=str(tiny_model_dir))
+  td_train.train(tdc, tmp_path / "r", progress=False, stop_at=0, **{**KW, "steps": 1})
+  f = tmp_path / "r" / td_train.TD_CONFIG
+  saved = json.loads(f.read_text())
+  assert saved["task_weights"] == []
+  f.write_text(json.dumps({k: v for k, v in saved.items() if k != "task_weights"}))
+  td_train.train(tdc, tmp_path / "r", progress=False, stop_at=0, **{**KW, "steps": 1})
+  with pytest.raises(ValueError, match="TD settings"):
+    td_train.train(dataclasses.replace(tdc, task_weights=(("td-parity-test", 1.0),)), tmp_path / "r",
+                   progress=False, stop_at=0, **{**KW, "steps": 1})
 
 
 @pytest.mark.slow  # over 20 s on 2 cores: -m slow
