@@ -183,18 +183,19 @@ def _add_distill(sub):
   p.add_argument("--base", default="default")
   p.add_argument("--out", required=True, help="export directory (e.g. dinfer_jax/assets/default-td)")
   p.add_argument("--work", required=True, help="working directory: trajectories in WORK/data/<task>, run in WORK/run")
-  p.add_argument("--tasks", default="arithmetic,program,add")
-  p.add_argument("--n", default="arithmetic=20000,program=1600,add=8000",
+  # The defaults are the recipe of the shipped default-td (train_td/README.md).
+  p.add_argument("--tasks", default="split,arithmetic,program,add")
+  p.add_argument("--n", default="split=799,arithmetic=4000,program=800,add=2000",
                  help="training prompts per task (TASK=N,...)")
   p.add_argument("--batch", type=_positive_int, default=256, help="collect: prompts per engine call")
-  p.add_argument("--steps", type=_positive_int, default=1500)
-  p.add_argument("--batch-size", type=_positive_int, default=128)
+  p.add_argument("--steps", type=_positive_int, default=1000)
+  p.add_argument("--batch-size", type=_positive_int, default=64)
   p.add_argument("--lr", type=float, default=5e-4)
-  p.add_argument("--warmup-steps", type=int, default=50)
+  p.add_argument("--warmup-steps", type=int, default=40)
   p.add_argument("--mdm-weight", type=float, default=0.5)
-  p.add_argument("--cf-weight", type=float, default=0.5)
-  p.add_argument("--task-weights", default="", metavar="TASK=W,...",
-                 help="how often each task makes a TD batch (default: in proportion to its trajectories)")
+  p.add_argument("--cf-weight", type=float, default=0.25)
+  p.add_argument("--task-weights", default="split=0.4,arithmetic=0.3,program=0.15,add=0.15", metavar="TASK=W,...",
+                 help="how often each task makes a TD batch ('': in proportion to its trajectories)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--overwrite", action="store_true",
                  help="replace an existing model directory at --out (anything else there is refused)")

@@ -1,13 +1,14 @@
 """The TD variant of a base model in one command: collect golden trajectories per task, train --td, export.
 
   python -m train_td distill --base default --out dinfer_jax/assets/default-td --work /work/runs/td \
-      [--tasks arithmetic,program,add] [--n arithmetic=20000,...] [--steps 1500 ...]
+      [--tasks split,arithmetic,program,add] [--n split=799,...] [--task-weights split=0.4,...] [--steps 1000 ...]
 
 Every stage resumes: collect skips finished shards (under jax.distributed each process collects its share;
 the training and export stages are single-process), the run resumes from its last checkpoint; an existing
---out is refused before any work unless --overwrite is given and it is a model directory. Trajectories are decoded with the base model's own generation settings
-(generation_config.json and its prompt rules), the setting the TD model is then evaluated at; the export
-ships the same generation_config.json, so base and TD decode identically unless told otherwise.
+--out is refused before any work unless --overwrite is given and it is a model directory. Trajectories are
+decoded with the base model's own generation settings (generation_config.json and its prompt rules), the
+setting the TD model is then evaluated at; the export ships the same generation_config.json, so base and TD
+decode identically unless told otherwise. The flags' defaults are the shipped default-td's recipe.
 """
 from __future__ import annotations
 

@@ -227,8 +227,8 @@ def test_collect_cli(tiny_model_dir, tmp_path, capsys):
 def _distill(tiny_model_dir, tmp_path, out, *extra):
   from train_td import __main__ as td_main
   return td_main.main(["distill", "--base", str(tiny_model_dir), "--out", str(out), "--work", str(tmp_path / "w"),
-                       "--tasks", "td-parity-test", "--n", "td-parity-test=4", "--batch", "4", "--steps", "2",
-                       "--batch-size", "2", "--warmup-steps", "1", "--no-progress", *extra])
+                       "--tasks", "td-parity-test", "--n", "td-parity-test=4", "--task-weights", "", "--batch", "4",
+                       "--steps", "2", "--batch-size", "2", "--warmup-steps", "1", "--no-progress", *extra])
 
 
 def test_distill_refuses_an_existing_out_before_any_work(tiny_model_dir, tmp_path, capsys):
