@@ -42,11 +42,11 @@ def main(args) -> int:
   for t in tasks:
     tasks_lib.get_task(t)
   counts = parse_counts(args.n, tasks)
-  weights = tuple(getattr(args, "task_weights", ()) or ())  # parsed by the CLI: ((task, weight), ...)
+  weights = args.task_weights  # parsed by the CLI: ((task, weight), ...), () = by trajectories
   if weights and sorted(n for n, _ in weights) != sorted(tasks):
     raise ValueError(f"--task-weights must name exactly the --tasks {tasks}, got {[n for n, _ in weights]}")
   work = pathlib.Path(args.work)
-  overwrite = getattr(args, "overwrite", False)
+  overwrite = args.overwrite
   # Refuse a bad --out now, not after an hour of collecting and training.
   export.check_out(args.out, overwrite=overwrite)
   base = dinfer_jax.load(args.base)

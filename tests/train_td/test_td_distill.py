@@ -239,6 +239,9 @@ def test_distill_refuses_an_existing_out_before_any_work(tiny_model_dir, tmp_pat
     assert _distill(tiny_model_dir, tmp_path, out, *extra) == 2
     assert "error:" in capsys.readouterr().err
     assert not (tmp_path / "w").exists() and (out / "notes.txt").read_text() == "mine"
+  # Weights that do not name the --tasks are refused before collecting too.
+  assert _distill(tiny_model_dir, tmp_path, tmp_path / "new", "--task-weights", "split=1") == 2
+  assert "--task-weights" in capsys.readouterr().err and not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow  # collect + 2 TD steps + export, twice: -m slow
