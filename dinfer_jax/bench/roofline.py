@@ -375,7 +375,9 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     # A cached forward takes the cache donated and returns it, as the engine's loop carries it: its K/V
     # writes are then in place (argument 2 of f(params, inputs, cache, ...)).
     donate = (2,) if kind.startswith("cached") else ()
-    compiled, compile_s = target.compile(f, aparams, *target.abstract(args), donate=donate)
+    # The engine's compile options, as its loop compiles these forwards.
+    compiled, compile_s = target.compile(f, aparams, *target.abstract(args), donate=donate,
+                                         options=loop.compiler_options(target.backend))
     text = compiled_text(compiled)
     mc = ModuleCost(text)
     cost = mc.total()

@@ -262,7 +262,7 @@ def sharded_run(mesh: jax.sharding.Mesh, param_treedef, param_leaf_shardings: tu
           "n_window": repl}
   donate = (1, 3) if jax.default_backend() != "cpu" else ()
   return jax.jit(functools.partial(loop.run, **dict(static)), in_shardings=(p_sh, rows, rows, rows, repl, repl),
-                 out_shardings=outs, donate_argnums=donate)
+                 out_shardings=outs, donate_argnums=donate, compiler_options=loop.compiler_options() or None)
 
 
 def collect(lay: Layout, out: dict, n_rows: int, eos_id: int) -> GenerationResult:

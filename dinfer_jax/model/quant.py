@@ -200,6 +200,20 @@ def make_qarray(qvalue, scale):
   return qwix.QArray(qvalue=qvalue, scale=scale)
 
 
+def join_columns(ws: list) -> Any:
+  """Kernels [D, ...] (all plain or all QArrays) as one [D, X] kernel, their output axes flattened and laid
+  side by side. A QArray's scales flatten and join the same way: its tiles span whole contracted blocks by
+  contiguous runs of the flattened output (a channel, or a 128-wide block), so the joined scales tile the
+  joined values."""
+  if not any(is_qarray(w) for w in ws):
+    return jnp.concatenate([w.reshape(w.shape[0], -1) for w in ws], axis=1)
+  if not all(is_qarray(w) for w in ws):
+    raise ValueError("join_columns: kernels are either all quantised or all plain")
+  qv = jnp.concatenate([w.qvalue.reshape(w.shape[0], -1) for w in ws], axis=1)
+  sc = jnp.concatenate([w.scale.reshape(w.scale.shape[0], -1) for w in ws], axis=1)
+  return make_qarray(qv, sc)
+
+
 def _keys(path) -> tuple[str, ...]:
   return tuple(getattr(p, "key", getattr(p, "idx", p)) for p in path)
 

@@ -19,7 +19,7 @@ from dinfer_jax.model import moe as moe_lib
 from dinfer_jax.model import quant
 from dinfer_jax.model.attention import attention, attention_mask
 from dinfer_jax.model.layers import rms_norm, rope, slice_rows, swiglu, update_rows, write_rows
-from dinfer_jax.sharding import shard
+from dinfer_jax.sharding import current_mesh, shard
 
 
 class ForwardOut(NamedTuple):
@@ -28,21 +28,51 @@ class ForwardOut(NamedTuple):
   # its window slots rewritten)
 
 
+def _joint_qk(lp: dict) -> bool:
+  """Whether queries and keys can be projected, normed and rotated as one [B, T, N + K, H] array: both
+  kernels plain or both quantised, and heads not split across devices (joining two head-sharded arrays
+  along the heads would move them between devices)."""
+  mesh = current_mesh()
+  split = mesh is not None and mesh.shape.get("tensor", 1) > 1
+  return not split and quant.is_qarray(lp["q"]) == quant.is_qarray(lp["k"])
+
+
+def _queries_keys(h, lp, cfg: ModelConfig, positions) -> tuple[jax.Array, jax.Array]:
+  """Normed (qk_norm) and rotated queries [B, T, N, H] and keys [B, T, K, H] of normed hidden states h.
+
+  Norm and RoPE are per-head work, so running them on queries and keys joined gives the same numbers; on GPU
+  it is one norm kernel where two would run (the roofline bench's kernel count), and the joined kernels
+  [D, (N + K) H] (quant.join_columns) are one GEMM whose Triton kernel reads the two in place (no copy)."""
+  if not _joint_qk(lp):
+    q = quant.einsum("BTD,DNH->BTNH", h, lp["q"])
+    k = quant.einsum("BTD,DKH->BTKH", h, lp["k"])
+    if cfg.qk_norm:
+      q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
+      k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
+    return (rope(q, positions, theta=cfg.rope_theta, rot_dim=cfg.rope_dim),
+            rope(k, positions, theta=cfg.rope_theta, rot_dim=cfg.rope_dim))
+  _, N, H = lp["q"].shape
+  K = lp["k"].shape[1]
+  # Joined flat ([D, N H] beside [D, K H]): Triton fuses a concatenation along the GEMM's output columns
+  # into its loads, not one along the heads axis.
+  qk = quant.einsum("BTD,DX->BTX", h, quant.join_columns([lp["q"], lp["k"]])).reshape(h.shape[:2] + (N + K, H))
+  if cfg.qk_norm:
+    # Per-head norm with a [H] weight shared by all heads (one for queries, one for keys), before RoPE
+    # (not OLMoE's whole-projection norm).
+    qk = rms_norm(qk, jnp.concatenate([jnp.broadcast_to(lp["q_norm"], (N, H)),
+                                       jnp.broadcast_to(lp["k_norm"], (K, H))]), cfg.rms_eps)
+  qk = rope(qk, positions, theta=cfg.rope_theta, rot_dim=cfg.rope_dim)
+  return qk[:, :, :N], qk[:, :, N:]
+
+
 def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_start, write_mask, moe_impl,
            in_place: bool = False):
   """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None. in_place: the fresh K/V go into
   kv_in's buffers (where write_mask) and those buffers come back, in the cache dtype."""
   dt = x.dtype
   h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
-  q = quant.einsum("BTD,DNH->BTNH", h, lp["q"])
-  k = quant.einsum("BTD,DKH->BTKH", h, lp["k"])
+  q, k = _queries_keys(h, lp, cfg, positions)
   v = quant.einsum("BTD,DKH->BTKH", h, lp["v"])
-  if cfg.qk_norm:
-    # Per-head norm with a [H] weight shared by all heads, before RoPE (not OLMoE's whole-projection norm).
-    q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
-    k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
-  q = rope(q, positions, theta=cfg.rope_theta, rot_dim=cfg.rope_dim)
-  k = rope(k, positions, theta=cfg.rope_theta, rot_dim=cfg.rope_dim)
   q = shard(q, ("act_batch", "act_len", "q_heads", "head_dim"))
   if kv_in is None:
     keys, vals = k, v

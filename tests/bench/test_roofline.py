@@ -140,3 +140,36 @@ def test_device_loop_options_reach_the_compiled_module(tmp_path, monkeypatch):
     target.compile(loop_fn, *args, options=opts)
     text = "".join(p.read_text() for p in dump.glob("*debug_options*"))
     assert ("xla_gpu_enable_command_buffer: WHILE" in text and "xla_gpu_enable_command_buffer: CONDITIONAL" in text) == expect
+
+
+@pytest.mark.skipif(not roofline.cuda_plugin_available(), reason="needs the CUDA plugin (pip install jax[cuda12])")
+def test_cached_forward_norms_queries_and_keys_in_one_kernel(monkeypatch):
+  """7B-A1B batch-1 cached forward, deviceless H200, the engine's compile options: with queries and keys
+  joined, one norm kernel per layer serves both (separate ones take one more per layer), and no weight is
+  copied to join the two kernels (the GEMM reads them in place)."""
+  from dinfer_jax.bench import presets, realistic
+  from dinfer_jax.bench.throughput import forward_programs
+  from dinfer_jax.engine import generate as gen_lib, loop
+  from dinfer_jax.model import transformer
+  target = roofline.Target("cuda", roofline.CHIPS["h200"])
+  preset = presets.get("llada_moe_7b_a1b")
+  cfg = preset.model()
+  gcfg = roofline.generation_config(preset, "dual")
+  lay, static = gen_lib.prepare(cfg, roofline._prompts(cfg, 1, preset.prompt_length), gcfg)
+  aparams = target.abstract(roofline.abstract_inference_params(cfg, jnp.bfloat16))
+
+  def compile_text() -> str:
+    f, args = forward_programs(cfg, gcfg, lay, static, abstract_dtype=jnp.bfloat16, cache_out=True)["cached"]
+    compiled, _ = target.compile(f, aparams, *target.abstract(args), donate=(2,),
+                                 options=loop.compiler_options("gpu"))
+    return roofline.compiled_text(compiled)
+
+  def kernels(text: str) -> int:
+    return realistic.kernels(realistic.Module(text), realistic.H200).total
+
+  joined = compile_text()
+  monkeypatch.setattr(transformer, "_joint_qk", lambda lp: False)
+  separate = compile_text()
+  assert kernels(joined) <= kernels(separate) - cfg.n_layers, (kernels(joined), kernels(separate))
+  # The joined [D, (N + K) H] kernel exists only inside the GEMM's fusion, never as a buffer of its own.
+  assert "wrapped_concatenate" not in joined

@@ -48,6 +48,40 @@ def test_layer_loops_agree(model, cached):
     np.testing.assert_allclose(out.kv.v, scan.kv.v, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["moe", "gqa_partial_rope", "no_qk_norm", "int8", "fp8-block"])
+def test_joined_queries_keys_match_separate_ones(model, variant, monkeypatch):
+  """Queries and keys projected, normed and rotated joined (the default) give the numbers of the two
+  separate projections (the path for head-split meshes), with GQA, partial RoPE and 8-bit kernels (their
+  scales joined too) as well."""
+  import dataclasses
+  from dinfer_jax.model import quant, transformer
+  cfg, params = model
+  if variant == "gqa_partial_rope":
+    cfg = dataclasses.replace(cfg, n_kv_heads=2, rotary_dim=8)
+  elif variant == "no_qk_norm":
+    cfg = dataclasses.replace(cfg, qk_norm=False)
+  params = params_lib.init_params(cfg, jax.random.PRNGKey(4))
+  if cfg.qk_norm:  # distinct query and key norm weights (init makes both ones)
+    lay = dict(params["moe_layers"])
+    for i, name in enumerate(("q_norm", "k_norm")):
+      lay[name] = 1.0 + 0.5 * jax.random.normal(jax.random.PRNGKey(10 + i), lay[name].shape)
+    params = dict(params, moe_layers=lay)
+  if variant in ("int8", "fp8-block"):
+    w, _, sc = variant.partition("-")
+    params = quant.quantize_params(params, quant.QuantConfig(w, sc or "channel", block=16))
+  B, T, S = 2, 8, 24
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, 500)
+  kk = jax.random.normal(jax.random.PRNGKey(1), (cfg.n_layers, B, S, cfg.n_kv_heads, cfg.head_dim))
+  kw = dict(cache=KVCache(kk, -kk), cache_start=jnp.int32(5), positions=jnp.broadcast_to(jnp.arange(5, 5 + T), (B, T)))
+  assert transformer._joint_qk(params_lib.unstack_layers(params)["moe_layers"][0])
+  joined = forward(params, cfg, tokens, **kw)
+  monkeypatch.setattr(transformer, "_joint_qk", lambda lp: False)
+  separate = forward(params, cfg, tokens, **kw)
+  np.testing.assert_allclose(joined.logits, separate.logits, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(joined.kv.k, separate.kv.k, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(joined.kv.v, separate.kv.v, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("write_rows", [False, True])
 def test_per_layer_cache_in_place_forward_equals_the_stacked_one(model, write_rows):
   """keep_cache: the forward writes its K/V into the per-layer buffers in place and attends: the same logits
