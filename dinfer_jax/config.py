@@ -6,7 +6,7 @@ from typing import Any, Literal, Mapping
 
 Family = Literal["llada_moe", "llada", "llada2_moe"]
 FAMILIES = ("llada_moe", "llada", "llada2_moe")
-MOE_IMPLS = ("auto", "dense", "ragged")
+MOE_IMPLS = ("auto", "dense", "ragged", "grouped")
 
 
 class ConfigError(ValueError):

@@ -14,7 +14,8 @@ also charges (../reference/gpu_roofline.md has the measurements and the audit th
 - the grouped GEMM's tiles: tokamax's Pallas-Triton ragged_dot tiles each expert's rows from the group's own
   start (ceil(rows / tile) row tiles per expert: at the batch-1 refresh ~160 rows per expert take 2 tiles of
   128, 1.6x the routed work) and launches ceil(M / tile) x ceil(N / tile) x G blocks, most of which find no
-  rows and exit (their launch is not free: ~1 us per resident wave);
+  rows and exit (their launch is not free: ~1 us per resident wave); this project's kernel
+  (model/grouped_gemm.py) launches only the blocks balanced routing fills, and is charged its own tiles;
 - the embedding gather: XLA's cost analysis charges a gather the whole operand (the 644 MB table for 64 rows);
   a gather reads the rows it looks up. Likewise an in-place scatter (the cached forward's K/V write) is charged
   its whole buffer read and written; it touches the slots it writes.
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from dinfer_jax.model import moe
+from dinfer_jax.model import grouped_gemm, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +258,13 @@ class GroupedGemm:
   blocks: int = 0
   working_blocks: int = 0
 
+  def add(self, t: dict[str, float]) -> None:
+    self.calls += 1
+    self.routed_flops += t["routed_flops"]
+    self.padded_flops += t["padded_flops"]
+    self.blocks += t["blocks"]
+    self.working_blocks += t["working_blocks"]
+
   def empty_s(self, ch: Charges) -> float:
     return 1e-6 * ch.empty_wave_us * (self.blocks - self.working_blocks) / ch.resident_blocks
 
@@ -269,7 +277,26 @@ def grouped_gemm_tiles(M: int, K: int, N: int, G: int, ch: Charges) -> dict[str,
   return dict(moe.grouped_tiles(M, K, N, G, bm, ch.tile_cols), block_m=bm)
 
 
+_OWN = re.compile(re.escape(grouped_gemm.NAME) + r"_(dot|swiglu)_bm(\d+)")
+_GRID = re.compile(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32")
+
+
+def own_grouped_call(rest: str, ins, outs) -> dict[str, Any] | None:
+  """This project's grouped GEMM kernel (model/grouped_gemm.py), read off its custom call: rows M (the output
+  less its block_m pad rows), K, N, groups G, kernels (2: gate and up), the tile and the launched grid."""
+  m = _OWN.search(rest)
+  if not m or len(ins) < 2 or not outs:
+    return None
+  bm = int(m.group(2))
+  (Mp, K), (G, _, N) = ins[0][1], ins[1][1]
+  g = _GRID.search(rest)
+  return {"M": Mp - bm, "K": K, "N": N, "G": G, "n_weights": 2 if m.group(1) == "swiglu" else 1, "block_m": bm,
+          "slots": int(g.group(1)) if g else grouped_gemm.plan(Mp - bm, G).slots}
+
+
 def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
+  """The grouped GEMM calls: tokamax's (grid ceil(M / tile) x N-tiles x G) and this project's (slots x
+  N-tiles x G: model/grouped_gemm.py)."""
   out = GroupedGemm()
   for comp in mod.comps.values():
     for _, result, op, rest in comp:
@@ -277,17 +304,18 @@ def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
         continue
       ins = mod.operands(rest)
       outs = arrays(result)
+      own = own_grouped_call(rest, ins, outs)
+      if own is not None:
+        t = grouped_gemm.tiles(own["M"], own["K"], own["N"], own["G"], own["n_weights"],
+                               grouped_gemm.Plan(own["block_m"], own["slots"]))
+        out.add(t)
+        continue
       if len(ins) < 2 or len(ins[0][1]) != 2 or len(ins[1][1]) != 3 or not outs or len(outs[0][1]) != 2:
         continue
       (M, K), (G, K2, N) = ins[0][1], ins[1][1]
       if K != K2 or outs[0][1] != (M, N):
         continue
-      t = grouped_gemm_tiles(M, K, N, G, ch)
-      out.calls += 1
-      out.routed_flops += t["routed_flops"]
-      out.padded_flops += t["padded_flops"]
-      out.blocks += t["blocks"]
-      out.working_blocks += t["working_blocks"]
+      out.add(grouped_gemm_tiles(M, K, N, G, ch))
   return out
 
 

@@ -175,6 +175,8 @@ def kernel_call_cost(line: str) -> dict[str, float] | None:
   if m.group(2).startswith("__cudnn") and len(ins) >= 2 and len(ins[0][1]) == 4:
     (B, T, N, H), S = ins[0][1], ins[1][1][1]
     flops = 4.0 * B * N * T * S * H
+  elif (own := realistic.own_grouped_call(line, ins, outs)) is not None:
+    flops = 2.0 * own["M"] * own["K"] * own["N"] * own["n_weights"]
   elif len(ins) >= 2 and len(ins[0][1]) == 2 and len(ins[1][1]) == 3 and outs and len(outs[0][1]) == 2:
     (M, K), (_, K2, N) = ins[0][1], ins[1][1]
     if K == K2 and outs[0][1] == (M, N):
@@ -391,6 +393,8 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     routed = flops_per_forward(cfg, batch=batch, tokens=tokens, kv_len=Tc, logits_tokens=L)
     with moe.target_backend(target.backend):
       impl = moe.choose_impl(cfg, batch * tokens) if cfg.n_moe_layers else "n/a"
+      if impl == "grouped":  # model/grouped_gemm.py; block-scaled 8-bit experts go to the ragged path
+        impl = "ragged" if (qc is not None and qc.scales == "block") else "grouped/pallas-triton"
       if impl == "ragged":
         impl += "/tokamax" if (target.kind == "cuda" and moe.has_gpu_grouped_gemm()) else "/xla"
     rows.append({

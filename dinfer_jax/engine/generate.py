@@ -14,6 +14,7 @@ from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.layout import Layout, make_layout, normalize_prompts, round_up
+from dinfer_jax.model import moe
 from dinfer_jax.model import params as params_lib
 from dinfer_jax.sharding import use_mesh
 
@@ -163,7 +164,7 @@ def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationCo
     leaves, treedef = jax.tree_util.tree_flatten(unstacked_shardings(params, mcfg, mesh))
     rows = sharding.row_sharded(mesh, lay.canvas.shape)
     arrays = [sharding.put_global(a, rows) for a in (lay.canvas, lay.valid, lay.positions)]
-    with use_mesh(mesh):
+    with use_mesh(mesh), moe.partitioned(mesh.size > 1):
       repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
       key = sharding.put_global(np.asarray(jax.random.PRNGKey(seed)), repl)
       knobs = {k: sharding.put_global(np.asarray(v), repl) for k, v in knobs.items()}

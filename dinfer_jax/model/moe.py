@@ -24,10 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.model import quant
+from dinfer_jax.model import grouped_gemm, quant
 from dinfer_jax.model.layers import swiglu
 
-# Token count above which "auto" switches from the dense kernel to the grouped GEMM on GPU. The dense
+# Token count above which "auto" switches from the dense kernel to ragged_dot on an accelerator other than a
+# GPU (on GPU "auto" is the grouped kernel of model/grouped_gemm.py at every token count). The dense
 # kernel does T*E expert-FLOPs against E expert weights, i.e. about T FLOPs per weight byte in bf16; an
 # H200 (990 TFLOP/s, 4.8 TB/s) is bound by weight reads below ~200 FLOPs/byte, so dense is free up to
 # about that many tokens (roofline bench: a batch-1 64-token block is at 1.1x the weight floor with dense).
@@ -98,6 +99,21 @@ def target_backend(name: str | None):
     _TARGET.reset(tok)
 
 
+_PARTITIONED: contextvars.ContextVar[bool] = contextvars.ContextVar("dinfer_jax_moe_partitioned", default=False)
+
+
+@contextlib.contextmanager
+def partitioned(on: bool = True):
+  """Trace for a program XLA partitions over several devices (the engine on a mesh): Pallas kernels carry no
+  partitioning rule (XLA would gather their sharded operands onto every device), so "auto" keeps the dense
+  einsums, which partition along the expert and tensor axes."""
+  tok = _PARTITIONED.set(on)
+  try:
+    yield
+  finally:
+    _PARTITIONED.reset(tok)
+
+
 def backend() -> str:
   """The backend kernel choices are made for: target_backend's, else the default backend."""
   return _TARGET.get() or jax.default_backend()
@@ -106,7 +122,14 @@ def backend() -> str:
 def choose_impl(cfg: ModelConfig, n_tokens: int) -> str:
   if cfg.moe_impl != "auto":
     return cfg.moe_impl
-  if backend() == "cpu" or n_tokens <= ACCEL_DENSE_MAX_TOKENS:
+  if backend() == "cpu" or _PARTITIONED.get():
+    return "dense"
+  if backend() == "gpu":
+    # This project's grouped GEMM (model/grouped_gemm.py) at every token count: by the roofline bench's
+    # realistic model it costs no more than the dense kernel at 8 tokens and less from 16 up (7B-A1B, one
+    # layer: 202 vs 203 us at 8 tokens, 206 vs 224 at 96, 212 vs 274 at 256; BENCHMARKS.md).
+    return "grouped"
+  if n_tokens <= ACCEL_DENSE_MAX_TOKENS:
     return "dense"
   if backend() == "gpu" and not has_gpu_grouped_gemm():
     return "dense"
@@ -198,21 +221,36 @@ def experts_dense(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_expert
   return quant.einsum("ETF,EFD->TD", a, ex["down"], preferred_element_type=jnp.float32).astype(dt)
 
 
-def experts_ragged(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
-  """Dropless sort-by-expert + grouped matmul; h [T, D] -> [T, D]."""
-  T, k = idx.shape
-  dt = h.dtype
-  flat_e = idx.reshape(-1)  # [T*k]
-  order = jnp.argsort(flat_e, stable=True)
-  tok = order // k  # the token each sorted row came from
+def experts_ragged(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int,
+                   dot=None) -> jax.Array:
+  """Dropless sort-by-expert + grouped matmul (tokamax's on GPU, else XLA's ragged_dot); h [T, D] -> [T, D]."""
+  dot = dot or _grouped_dot
+  flat_e, order, tok = _sort_rows(idx)
   xs = h[tok]  # [T*k, D]
   sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
-  g = _grouped_dot(xs, ex["gate"], sizes)
-  u = _grouped_dot(xs, ex["up"], sizes)
-  ys = _grouped_dot(jax.nn.silu(g) * u, ex["down"], sizes)  # [T*k, D]
+  g = dot(xs, ex["gate"], sizes)
+  u = dot(xs, ex["up"], sizes)
+  ys = dot(jax.nn.silu(g) * u, ex["down"], sizes)  # [T*k, D]
+  return _combine(ys, w, order, tok, h)
+
+
+def _sort_rows(idx: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """idx [T, k] -> (expert of each (token, slot) row [T*k], the rows in expert order, the token of each
+  sorted row)."""
+  flat_e = idx.reshape(-1)
+  order = jnp.argsort(flat_e, stable=True)
+  return flat_e, order, order // idx.shape[1]
+
+
+def _combine(ys: jax.Array, w: jax.Array, order: jax.Array, tok: jax.Array, h: jax.Array) -> jax.Array:
+  """Sorted rows' outputs ys [T*k, D] weighted by their routing weights and summed per token in fp32."""
   ws = w.reshape(-1)[order]
-  out = jnp.zeros((T, h.shape[1]), jnp.float32).at[tok].add(ys.astype(jnp.float32) * ws[:, None])
-  return out.astype(dt)
+  out = jnp.zeros(h.shape, jnp.float32).at[tok].add(ys.astype(jnp.float32) * ws[:, None])
+  return out.astype(h.dtype)
+
+
+def _ragged_xla(h, w, idx, ex, n_experts):
+  return experts_ragged(h, w, idx, ex, n_experts, dot=quant.ragged_dot)
 
 
 def moe_loop_reference(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
@@ -229,7 +267,54 @@ def moe_loop_reference(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_e
   return out.astype(h.dtype)
 
 
-EXPERT_KERNELS = {"dense": experts_dense, "ragged": experts_ragged, "loop": moe_loop_reference}
+def _grouped_forward(h, w, idx, ex, n_experts):
+  M = idx.size
+  flat_e, order, tok = _sort_rows(idx)
+  lo, hi = grouped_gemm.group_bounds(flat_e, n_experts)
+  p = grouped_gemm.plan(M, n_experts)
+  interpret = backend() != "gpu"  # the CPU tests run the kernel's own code in Pallas's interpreter
+  # block_m pad rows (row 0 again; no group reads them) keep every tile's row slice inside x.
+  xs = h[jnp.concatenate([tok, jnp.zeros((p.block_m,), tok.dtype)])]
+  down, fold = ex["down"], None
+  if quant.is_qarray(down):  # per-(expert, F) scales: applied to the activations, in the kernel before
+    fold, down = down.scale.reshape(down.shape[0], 1, down.shape[1]), down.qvalue
+  a = grouped_gemm.grouped_matmul(xs, (ex["gate"], ex["up"]), lo, hi, p, out_scale=fold, interpret=interpret)
+  ys = grouped_gemm.grouped_matmul(a, (down,), lo, hi, p, interpret=interpret)[:M]
+  return _combine(ys, w, order, tok, h)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _grouped(h, w, idx, ex, n_experts):
+  return _grouped_forward(h, w, idx, ex, n_experts)
+
+
+def _grouped_fwd(h, w, idx, ex, n_experts):
+  return _grouped_forward(h, w, idx, ex, n_experts), (h, w, idx, ex)
+
+
+def _grouped_bwd(n_experts, res, g):
+  # The kernel has no transpose: gradients recompute the layer through XLA's ragged_dot (same maths).
+  h, w, idx, ex = res
+  _, vjp = jax.vjp(lambda h, w, ex: _ragged_xla(h, w, idx, ex, n_experts), h, w, ex)
+  dh, dw, dex = vjp(g)
+  return dh, dw, None, dex
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def experts_grouped(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
+  """Sort-by-expert + this project's grouped GEMM kernel (model/grouped_gemm.py: a grid that fits the rows
+  per expert, gate and up in one kernel); h [T, D] -> [T, D]. Kernels it does not take (block-scaled 8-bit)
+  go to experts_ragged."""
+  if not (grouped_gemm.supports(ex["gate"]) and grouped_gemm.supports(ex["up"])
+          and grouped_gemm.supports(ex["down"], per_input=True)):
+    return experts_ragged(h, w, idx, ex, n_experts)
+  return _grouped(h, w, idx, ex, n_experts)
+
+
+EXPERT_KERNELS = {"dense": experts_dense, "ragged": experts_ragged, "grouped": experts_grouped,
+                  "loop": moe_loop_reference}
 
 
 def moe_ffn(h: jax.Array, lp: dict, cfg: ModelConfig, impl: str | None = None) -> jax.Array:

@@ -152,7 +152,8 @@ def _write_predictions(tmp_path) -> list[str]:
 def _check_rehearsal(d: dict, batch8: bool, weights: tuple[str, ...] = ()) -> None:
   assert d["env"]["backend"] == "cpu" and not d["skipped"] and not d["failed"]
   items = d["items"]
-  expect = {"forwards_b1", "generate_b1_threshold", "generate_b1_dinfer", "stepped_b1_threshold"}
+  expect = {"forwards_b1", "forwards_b1_dense_moe", "generate_b1_threshold", "generate_b1_dinfer",
+            "stepped_b1_threshold"}
   expect |= {f"{k}_{w}" for w in weights for k in ("forwards_b1", "generate_b1_threshold")}
   if batch8:
     expect |= {f"{k}{t}" for t in [""] + [f"_{w}" for w in weights] for k in ("forwards_b8", "generate_b8_threshold")}
@@ -164,6 +165,7 @@ def _check_rehearsal(d: dict, batch8: bool, weights: tuple[str, ...] = ()) -> No
   for kind in ("refresh", "cached"):
     r = items["forwards_b1"][kind]
     assert r["ms"] > 0 and r["kernels"] > 0 and r["moe"] == "dense" and r["attention"] == "xla"
+    assert items["forwards_b1_dense_moe"][kind]["moe"] == "dense"
   assert items["forwards_b1"]["cached"]["predicted_realistic_ms"] == 1.5
   g = items["generate_b1_threshold"]
   assert g["nfe"] == g["n_full"] + g["n_cached"] and g["n_full"] == 4  # one refresh per block
@@ -237,7 +239,7 @@ def test_gpu_check_skips_what_the_budget_cannot_hold(tmp_path):
   assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--budget-s", "0.5",
                          "--batches", "1"]) == 0
   d = json.loads((out / "gpu_check.json").read_text())
-  assert d["items"] == {} and len(d["skipped"]) == 4 and "budget" in d["skipped"][0]
+  assert d["items"] == {} and len(d["skipped"]) == 5 and "budget" in d["skipped"][0]
 
 
 def test_roofline_bytes_llada_moe():

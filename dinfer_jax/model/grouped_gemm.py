@@ -1,0 +1,188 @@
+"""The MoE's grouped GEMM on GPU: a Pallas-Triton kernel whose grid fits the rows each expert gets.
+
+tokamax's grouped GEMM launches ceil(M / block_m) x N-tiles x G blocks and each block looks for rows of its
+group from the group's start: with rows spread over G = 64 experts, almost every block finds none (98% of the
+batch-8 refresh's grid; bench/realistic.py charges them). This kernel launches `slots` x N-tiles x G blocks,
+slots = the row tiles a group holds when the router spreads rows evenly, and each block walks its group's
+tiles slots apart (a group with more rows than that is walked in more steps by the same blocks): no block
+without work under balanced routing, none skipped under any routing (dropless).
+
+The gate and up projections run as one kernel (two accumulators, silu(gate) * up in fp32 in the epilogue):
+the [M, F] gate and up outputs are never written. 8-bit weights with one scale per output channel
+(model/quant.py) are loaded as they are and scaled in the epilogue; the down projection's per-input-channel
+scales fold into the gate/up kernel's output (`out_scale`); block scales are not this kernel's (`supports`).
+
+Rows are padded: x has M + block_m rows (the caller gathers them so; the pad rows are never read as a
+group's rows), because a tile's rows are a dynamic slice of block_m rows and the interpreter (CPU tests)
+clamps a slice that runs past the end rather than masking it. Output rows outside every group are left
+unwritten: the caller reads rows [0, M) only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dinfer_jax.model import quant
+
+NAME = "dinfer_grouped"  # kernel names: f"{NAME}_{kind}_bm{block_m}" (bench/realistic.py reads them)
+BLOCK_N = 128
+BLOCK_K = 32
+# Row tiles. Below 64 rows per group the GEMM streams weights (one tile per group, no compute to speak of), so
+# the tile is the smallest that holds the rows; from 64 up the tile sizes of tokamax's kernel (64-256), the
+# one that pads least, the larger on ties (fewer programs, more FLOPs per byte loaded).
+SMALL_BLOCK_M = (16, 32)
+BLOCK_M = (64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """block_m rows per tile; slots: blocks per (group, column tile)."""
+  block_m: int
+  slots: int
+
+  def block_n(self, n_weights: int) -> int:
+    # Two fp32 accumulators of 256 x 128 would not stay in registers: half the columns there.
+    return BLOCK_N // 2 if (n_weights == 2 and self.block_m >= 256) else BLOCK_N
+
+  def __post_init__(self):
+    if self.block_m < 16 or self.block_m & (self.block_m - 1):
+      raise ValueError(f"block_m must be a power of two >= 16 (Triton's dot), got {self.block_m}")
+    if self.slots < 1:
+      raise ValueError(f"slots must be >= 1, got {self.slots}")
+
+
+def plan(M: int, G: int) -> Plan:
+  """The tile and slots for M rows over G groups, spread evenly (a balanced router's expected load)."""
+  rows = M / G
+  if rows <= SMALL_BLOCK_M[-1]:
+    bm = next(b for b in SMALL_BLOCK_M if b >= rows)
+  else:
+    bm = min(BLOCK_M, key=lambda b: (math.ceil(rows / b) * b, -b))
+  return Plan(bm, max(1, math.ceil(rows / bm)))
+
+
+def tiles(M: int, K: int, N: int, G: int, n_weights: int = 1, p: Plan | None = None) -> dict[str, float]:
+  """The work of one call with M rows spread evenly over G groups: routed and tile FLOPs (each group's rows
+  rounded up to block_m), grid blocks, and blocks that find rows."""
+  p = p or plan(M, G)
+  rows = M / G
+  row_tiles = math.ceil(rows / p.block_m) if rows > 0 else 0
+  col_tiles = math.ceil(N / p.block_n(n_weights))
+  return {"routed_flops": 2.0 * M * K * N * n_weights,
+          "padded_flops": 2.0 * G * row_tiles * p.block_m * K * N * n_weights,
+          "blocks": p.slots * col_tiles * G, "working_blocks": G * min(p.slots, row_tiles) * col_tiles,
+          "block_m": p.block_m}
+
+
+def supports(w, per_input: bool = False) -> bool:
+  """Plain [G, K, N] weights, or QArrays with one scale per (group, output column), or with per_input one per
+  (group, input row) (the experts' down projection: its scales fold into the previous kernel's out_scale)."""
+  if not quant.is_qarray(w):
+    return True
+  G, K, N = w.shape
+  return tuple(w.scale.shape) == ((G, K, 1) if per_input else (G, 1, N))
+
+
+def _values_scale(w):
+  if quant.is_qarray(w):
+    return w.qvalue, w.scale.astype(jnp.float32)
+  return w, None
+
+
+def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool, block_m: int, slots: int):
+  """One (slot, column tile, group) block: the group's row tiles slot, slot + slots, ..."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  x_ref, refs = refs[0], refs[1:]
+  w_refs, refs = refs[:n_weights], refs[n_weights:]
+  s_refs, refs = (refs[:n_weights], refs[n_weights:]) if scaled else ((None,) * n_weights, refs)
+  os_ref, refs = (refs[0], refs[1:]) if out_scaled else (None, refs)
+  lo_ref, hi_ref, o_ref = refs
+  s = pl.program_id(0)
+  lo, hi = lo_ref[...], hi_ref[...]
+  K, bn = x_ref.shape[1], o_ref.shape[1]
+  n_tiles = (hi - lo + block_m - 1) // block_m
+  steps = jnp.maximum(n_tiles - s + slots - 1, 0) // slots
+
+  def tile(i, carry):
+    start = lo + (s + i * slots) * block_m
+    rows = (start + jnp.arange(block_m)) < hi
+
+    def k_step(kk, accs):
+      ks = pl.multiple_of(kk * BLOCK_K, BLOCK_K)
+      a = plgpu.load(x_ref.at[pl.ds(start, block_m), pl.ds(ks, BLOCK_K)], mask=rows[:, None], other=0)
+      # 8-bit weights convert to the activations' dtype in the load; the scale waits for the epilogue.
+      return tuple(acc + jnp.dot(a, w[pl.ds(ks, BLOCK_K), :].astype(a.dtype), preferred_element_type=jnp.float32)
+                   for acc, w in zip(accs, w_refs))
+
+    accs = jax.lax.fori_loop(0, K // BLOCK_K, k_step,
+                             tuple(jnp.zeros((block_m, bn), jnp.float32) for _ in range(n_weights)))
+    accs = [acc if sr is None else acc * sr[...] for acc, sr in zip(accs, s_refs)]
+    # fp32 epilogue: silu(gate) * up before the one rounding to the output dtype.
+    out = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
+    if os_ref is not None:
+      out = out * os_ref[...]
+    plgpu.store(o_ref.at[pl.ds(start, block_m), :], out.astype(o_ref.dtype), mask=rows[:, None])
+    return carry
+
+  jax.lax.fori_loop(0, steps, tile, 0)
+
+
+def group_bounds(group_of_row: jax.Array, G: int) -> tuple[jax.Array, jax.Array]:
+  """(lo, hi) [G] int32: the rows [lo[g], hi[g]) of group g once rows are sorted by group, counted straight
+  from the unsorted group ids (one compare-and-sum kernel on GPU, no histogram scatter and cumsum)."""
+  g = jnp.arange(G, dtype=group_of_row.dtype)[:, None]
+  return ((group_of_row[None, :] < g).sum(1, dtype=jnp.int32),
+          (group_of_row[None, :] <= g).sum(1, dtype=jnp.int32))
+
+
+def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Plan, *,
+                   out_scale: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+  """x [M + block_m, K] (rows sorted by group, pad rows last), ws one or two [G, K, N] kernels (two: gate and
+  up, the result is silu(x @ gate) * (x @ up)), group g's rows [lo[g], hi[g]) (group_bounds) ->
+  [M + block_m, N] in x's dtype, rows outside every group unwritten. out_scale [G, 1, N] multiplies the fp32
+  result per (group, column) before the rounding: the next GEMM's per-input-channel scales (the experts'
+  down projection, model/quant.py) folded into this one's output."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  if len(ws) not in (1, 2):
+    raise ValueError(f"grouped_matmul takes one kernel or two (gate, up), got {len(ws)}")
+  if not all(supports(w) for w in ws):
+    raise ValueError("grouped_matmul: a QArray kernel needs one scale per output column (scale [G, 1, N])")
+  Mp, K = x.shape
+  G, K2, N = ws[0].shape
+  if K2 != K or any(tuple(w.shape) != (G, K, N) for w in ws):
+    raise ValueError(f"grouped_matmul: x [{Mp}, {K}] against kernels {[tuple(w.shape) for w in ws]}")
+  if K % BLOCK_K:
+    raise ValueError(f"grouped_matmul: K={K} is not a multiple of {BLOCK_K}")
+  bn = min(p.block_n(len(ws)), N)
+  if N % bn:
+    raise ValueError(f"grouped_matmul: N={N} is not a multiple of {bn}")
+  parts = [_values_scale(w) for w in ws]
+  scaled = parts[0][1] is not None
+  if any((s is not None) != scaled for _, s in parts):
+    raise ValueError("grouped_matmul: gate and up must both be quantised or both plain")
+  lo, hi = lo.astype(jnp.int32), hi.astype(jnp.int32)
+  w_spec = pl.BlockSpec((None, K, bn), lambda s, j, e: (e, 0, j))
+  s_spec = pl.BlockSpec((None, 1, bn), lambda s, j, e: (e, 0, j))
+  g_spec = pl.BlockSpec((None,), lambda s, j, e: (e,))
+  out_scaled = out_scale is not None
+  if out_scaled and tuple(out_scale.shape) != (G, 1, N):
+    raise ValueError(f"grouped_matmul: out_scale {tuple(out_scale.shape)} is not [{G}, 1, {N}]")
+  in_specs = ([pl.no_block_spec] + [w_spec] * len(ws) + ([s_spec] * len(ws) if scaled else [])
+              + ([s_spec] if out_scaled else []) + [g_spec, g_spec])
+  args = ([x] + [v for v, _ in parts] + ([s for _, s in parts] if scaled else [])
+          + ([out_scale.astype(jnp.float32)] if out_scaled else []) + [lo, hi])
+  kind = "swiglu" if len(ws) == 2 else "dot"
+  kernel = functools.partial(_kernel, n_weights=len(ws), scaled=scaled, out_scaled=out_scaled, swiglu=len(ws) == 2,
+                             block_m=p.block_m, slots=p.slots)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype), in_specs=in_specs,
+      out_specs=pl.BlockSpec((Mp, bn), lambda s, j, e: (0, j)), grid=(p.slots, N // bn, G),
+      interpret=interpret, name=f"{NAME}_{kind}_bm{p.block_m}",
+      compiler_params=plgpu.CompilerParams(num_warps=8 if p.block_m >= 256 else 4, num_stages=3),
+  )(*args)

@@ -1,0 +1,195 @@
+"""The MoE's grouped GEMM kernel (model/grouped_gemm.py), run by Pallas's interpreter on CPU: against a plain
+per-group loop in numpy, at every routing shape that exercises its grid (empty groups, one group holding every
+row, groups of many tiles walked by few slots, rows not a multiple of the tile), with 8-bit weights and the
+folded per-input scales; its plan by hand; and the MoE layer built on it against the loop-over-experts
+reference, gradients included."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dinfer_jax.bench import realistic
+from dinfer_jax.model import grouped_gemm as gg
+from dinfer_jax.model import moe, quant
+
+
+def _silu(x):
+  return x / (1.0 + np.exp(-x))
+
+
+def loop_reference(x, ws, sizes, out_scale=None):
+  """Rows [M, K] sorted by group; one plain matmul per group (numpy, float64)."""
+  ws = [np.asarray(quant.dequantize(w, jnp.float32) if quant.is_qarray(w) else w, np.float64) for w in ws]
+  x = np.asarray(x, np.float64)
+  out = np.zeros((x.shape[0], ws[0].shape[2]))
+  lo = 0
+  for g, n in enumerate(sizes):
+    ys = [x[lo:lo + n] @ w[g] for w in ws]
+    y = _silu(ys[0]) * ys[1] if len(ws) == 2 else ys[0]
+    if out_scale is not None:
+      y = y * np.asarray(out_scale[g, 0], np.float64)
+    out[lo:lo + n] = y
+    lo += n
+  return out
+
+
+def _run(x, ws, sizes, p, **kw):
+  """The kernel on x padded by block_m rows (as the MoE gathers them), rows [0, M) returned."""
+  M = x.shape[0]
+  xp = jnp.concatenate([x, jnp.zeros((p.block_m, x.shape[1]), x.dtype)])
+  ids = jnp.repeat(jnp.arange(len(sizes)), jnp.asarray(sizes), total_repeat_length=M)
+  lo, hi = gg.group_bounds(ids, len(sizes))
+  return gg.grouped_matmul(xp, tuple(ws), lo, hi, p, interpret=True, **kw)[:M]
+
+
+ROUTINGS = {
+    "even": [5, 7, 6, 6],
+    "empty_groups": [0, 17, 0, 3],
+    "one_group_takes_all": [0, 0, 40, 0],
+    "single_rows": [1, 1, 1, 1],
+}
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("n_weights", [1, 2])
+@pytest.mark.parametrize("plan", [gg.Plan(16, 1), gg.Plan(16, 2), gg.Plan(32, 3)], ids=["bm16x1", "bm16x2", "bm32x3"])
+def test_grouped_matmul_matches_a_loop_over_groups(routing, n_weights, plan):
+  sizes = ROUTINGS[routing]
+  rng = np.random.default_rng(len(sizes) + sum(sizes))
+  G, K, N, M = len(sizes), 64, 256, sum(sizes)
+  x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+  ws = [jnp.asarray(rng.normal(size=(G, K, N)) / 8, jnp.float32) for _ in range(n_weights)]
+  out = _run(x, ws, sizes, plan)
+  np.testing.assert_allclose(np.asarray(out), loop_reference(x, ws, sizes), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["int8", "fp8"])
+def test_eight_bit_kernels_and_folded_input_scales(spec):
+  """Per-output-channel 8-bit gate/up read as stored and scaled in the epilogue; a [G, 1, N] out_scale (the
+  down projection's per-input scales) applied to the result."""
+  rng = np.random.default_rng(3)
+  sizes, K, N = [9, 0, 20], 64, 128
+  G, M = len(sizes), sum(sizes)
+  qc = quant.QuantConfig.parse(spec)
+  ws = [quant.quantize_leaf(("experts", "gate"), jnp.asarray(rng.normal(size=(G, K, N)) / 8, jnp.float32), qc)
+        for _ in range(2)]
+  assert all(gg.supports(w) for w in ws) and ws[0].qvalue.dtype == qc.qtype
+  out_scale = jnp.asarray(rng.uniform(0.5, 2.0, size=(G, 1, N)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+  out = _run(x, ws, sizes, gg.plan(M, G), out_scale=out_scale)
+  np.testing.assert_allclose(np.asarray(out), loop_reference(x, ws, sizes, out_scale), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_named():
+  x = jnp.zeros((32, 64))
+  lo = hi = jnp.zeros((4,), jnp.int32)
+  with pytest.raises(ValueError, match="one kernel or two"):
+    gg.grouped_matmul(x, (), lo, hi, gg.Plan(16, 1), interpret=True)
+  with pytest.raises(ValueError, match=r"x \[32, 64\] against kernels \[\(4, 32, 128\)\]"):
+    gg.grouped_matmul(x, (jnp.zeros((4, 32, 128)),), lo, hi, gg.Plan(16, 1), interpret=True)
+  with pytest.raises(ValueError, match=r"out_scale \(4, 128, 1\) is not \[4, 1, 128\]"):
+    gg.grouped_matmul(x, (jnp.zeros((4, 64, 128)),), lo, hi, gg.Plan(16, 1), out_scale=jnp.ones((4, 128, 1)),
+                      interpret=True)
+  with pytest.raises(ValueError, match="power of two"):
+    gg.Plan(24, 1)
+  block = quant.quantize_leaf(("experts", "gate"), jnp.ones((4, 256, 256)), quant.QuantConfig.parse("fp8-block"))
+  assert not gg.supports(block)
+
+
+def test_group_bounds_by_hand():
+  lo, hi = gg.group_bounds(jnp.asarray([2, 0, 2, 3, 0, 2]), 4)
+  assert lo.tolist() == [0, 2, 2, 5] and hi.tolist() == [2, 2, 5, 6]
+
+
+def test_plan_and_tiles_by_hand():
+  """LLaDA-MoE-7B-A1B's shapes (64 experts, top-8): rows per expert 12 (batch-1 cached window of 96 tokens), 96
+  (batch-8 cached), 160 (batch-1 refresh), 1280 (batch-8 refresh)."""
+  assert gg.plan(768, 64) == gg.Plan(16, 1)  # one 16-row tile holds 12 rows
+  assert gg.plan(6144, 64) == gg.Plan(128, 1)  # 96 rows: 128 pads as little as 2 x 64, the larger wins
+  assert gg.plan(10240, 64) == gg.Plan(64, 3)  # 160 rows: 3 x 64 = 192 pads least
+  assert gg.plan(81920, 64) == gg.Plan(256, 5)  # 1280 rows: no padding at any tile, the largest
+  # The batch-1 refresh's gate/up kernel: every launched block has rows (balanced), 1.2x the routed FLOPs, and
+  # 256-row swiglu tiles take 64 columns.
+  t = gg.tiles(10240, 2048, 1024, 64, n_weights=2)
+  assert t["blocks"] == t["working_blocks"] == 3 * 8 * 64
+  assert t["padded_flops"] / t["routed_flops"] == pytest.approx(192 / 160)
+  assert t["routed_flops"] == 2 * 2 * 10240 * 2048 * 1024
+  assert gg.tiles(81920, 2048, 1024, 64, n_weights=2)["blocks"] == 5 * 16 * 64
+  # tokamax's grid for the same gate projection at its 256-row tile: 40 x 8 x 64 blocks, 512 with rows.
+  tok = moe.grouped_tiles(10240, 2048, 1024, 64, 256)
+  assert (tok["blocks"], tok["working_blocks"]) == (40 * 8 * 64, 64 * 8)
+
+
+def test_realistic_model_reads_the_kernel_off_its_custom_call():
+  """The charges of a hand-written custom call as XLA prints the kernel (name, grid, operands)."""
+  line = ('%pallas_call.1 = bf16[784,1024]{1,0} custom-call(%x, %g, %u, %lo, %hi), '
+          'custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={bf16[784,2048]{1,0}, '
+          'bf16[64,2048,1024]{2,1,0}, bf16[64,2048,1024]{2,1,0}, s32[64]{0}, s32[64]{0}}, '
+          'metadata={op_name="jit(f)/dinfer_grouped_swiglu_bm16/pallas_call"}, '
+          'backend_config={debug = false, grid_x = 1 : i32, grid_y = 8 : i32, grid_z = 64 : i32, ir = "ML"}')
+  ins = realistic.arrays(line.split("operand_layout_constraints=")[1].split("}, metadata")[0])
+  own = realistic.own_grouped_call(line, ins, realistic.arrays("bf16[784,1024]"))
+  assert own == {"M": 768, "K": 2048, "N": 1024, "G": 64, "n_weights": 2, "block_m": 16, "slots": 1}
+  from dinfer_jax.bench import roofline
+  assert roofline.kernel_call_cost(line)["flops"] == 2 * 2 * 768 * 2048 * 1024
+  params = [f"  %{n} = {s} parameter({i})" for i, (n, s) in enumerate(
+      (("x", "bf16[784,2048]"), ("g", "bf16[64,2048,1024]"), ("u", "bf16[64,2048,1024]"), ("lo", "s32[64]"),
+       ("hi", "s32[64]")))]
+  text = "\n".join(["HloModule m", "", "ENTRY %main (x: bf16[784,2048]) -> bf16[784,1024] {", *params,
+                     "  ROOT " + line, "}", ""])
+  g = realistic.grouped_gemms(realistic.Module(text), realistic.H200)
+  assert g.calls == 1 and g.blocks == g.working_blocks == 512 and g.empty_s(realistic.H200) == 0
+
+
+def _layer(T=21, E=8, D=64, F=128, k=2, seed=0):
+  rng = np.random.default_rng(seed)
+  ex = {n: jnp.asarray(rng.normal(size=s) / 8, jnp.float32)
+        for n, s in (("gate", (E, D, F)), ("up", (E, D, F)), ("down", (E, F, D)))}
+  h = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+  w, idx = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.normal(size=(T, E)), jnp.float32)), k)
+  return h, w, idx.astype(jnp.int32), ex, E
+
+
+def test_moe_layer_on_the_kernel_matches_the_loop_over_experts():
+  h, w, idx, ex, E = _layer()
+  ref = moe.moe_loop_reference(h, w, idx, ex, E)
+  out = jax.jit(lambda h, w, idx, ex: moe.experts_grouped(h, w, idx, ex, E))(h, w, idx, ex)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  # Every token on the same two experts: one group walks several tiles.
+  same = jnp.broadcast_to(jnp.asarray([3, 5], jnp.int32), idx.shape)
+  np.testing.assert_allclose(moe.experts_grouped(h, w, same, ex, E), moe.moe_loop_reference(h, w, same, ex, E),
+                             rtol=1e-5, atol=1e-5)
+  for spec in ("int8", "fp8"):
+    qex = quant.quantize_params({"moe_layers": [{"experts": ex}]}, quant.QuantConfig.parse(spec))
+    qex = qex["moe_layers"][0]["experts"]
+    assert grouped_gemm_taken(qex)
+    np.testing.assert_allclose(moe.experts_grouped(h, w, idx, qex, E), moe.moe_loop_reference(h, w, idx, qex, E),
+                               rtol=1e-5, atol=1e-5)
+
+
+def grouped_gemm_taken(ex) -> bool:
+  return gg.supports(ex["gate"]) and gg.supports(ex["up"]) and gg.supports(ex["down"], per_input=True)
+
+
+def test_moe_layer_on_the_kernel_has_the_reference_gradients():
+  h, w, idx, ex, E = _layer(seed=1)
+  loss = lambda f: (lambda h, w, ex: (f(h, w, idx, ex, E) ** 2).sum())  # noqa: E731
+  got = jax.grad(loss(moe.experts_grouped), argnums=(0, 1, 2))(h, w, ex)
+  want = jax.grad(loss(moe.moe_loop_reference), argnums=(0, 1, 2))(h, w, ex)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_gpu_picks_the_kernel_and_cpu_the_dense_einsum():
+  from dinfer_jax.config import ModelConfig
+  cfg = ModelConfig(family="llada_moe", vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=16,
+                    ffn_dim=0, n_experts=4, n_experts_per_tok=2, expert_ffn_dim=32)
+  with moe.target_backend("gpu"):
+    assert moe.choose_impl(cfg, 8) == moe.choose_impl(cfg, 4096) == "grouped"
+  with moe.target_backend("cpu"):
+    assert moe.choose_impl(cfg, 4096) == "dense"
+  # A program partitioned over several devices keeps the dense einsums (the kernel has no partitioning rule).
+  with moe.target_backend("gpu"), moe.partitioned():
+    assert moe.choose_impl(cfg, 4096) == "dense"
