@@ -161,18 +161,27 @@ def remove_when_quiet(path: os.PathLike, quiet: float = 0.3, timeout: float = 30
   return not path.exists()
 
 
+def _is_closed_loop(value: BaseException | None) -> bool:
+  return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+
+
 def _quiet_closed_loop() -> None:
   """After an interruption, for the rest of the process: a write that orbax had in flight completes in a
-  native thread and calls back into its asyncio loop, which the interruption has closed; that callback's
-  RuntimeError ("Event loop is closed") is printed through sys.excepthook as a bare traceback (seen in the
-  SIGTERM tests). The write is abandoned on purpose and its directory removed: not the user's business."""
-  previous = sys.excepthook
+  native thread, and tensorstore's done-callback calls back into orbax's asyncio loop, which the
+  interruption has closed. Its RuntimeError ("Event loop is closed") goes to sys.unraisablehook
+  (tensorstore's PyErr_WriteUnraisable with no object: a bare traceback, seen in CI while the CLI was
+  removing the staging directory, after the write block had exited) or, from Python threads, to
+  sys.excepthook. The write is abandoned on purpose and its directory removed: not the user's business."""
+  previous_except, previous_unraisable = sys.excepthook, sys.unraisablehook
 
-  def hook(kind, value, tb):
-    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-      return
-    previous(kind, value, tb)
-  sys.excepthook = hook
+  def excepthook(kind, value, tb):
+    if not _is_closed_loop(value):
+      previous_except(kind, value, tb)
+
+  def unraisablehook(u):
+    if not _is_closed_loop(u.exc_value):
+      previous_unraisable(u)
+  sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
 @contextlib.contextmanager
@@ -183,15 +192,13 @@ def _signals_raise(dst: pathlib.Path):
   def handler(signum, _frame):
     _stop_writes.set()
     e = Interrupted(signum, dst)
-    if not _pending:
-      _quiet_closed_loop()
     _pending.append(e)
     raise e
 
   previous = sys.unraisablehook
 
   def unraisable(u):
-    if not isinstance(u.exc_value, Interrupted):
+    if not isinstance(u.exc_value, Interrupted) and not (_pending and _is_closed_loop(u.exc_value)):
       previous(u)
   sys.unraisablehook = unraisable
   try:
@@ -199,6 +206,8 @@ def _signals_raise(dst: pathlib.Path):
       yield
   finally:
     sys.unraisablehook = previous
+    if _pending:  # installed after the restore, so it outlives this block (the CLI's cleanup comes later)
+      _quiet_closed_loop()
 
 
 def _signals_ignored():
