@@ -277,21 +277,23 @@ def grouped_gemm_tiles(M: int, K: int, N: int, G: int, ch: Charges) -> dict[str,
   return dict(moe.grouped_tiles(M, K, N, G, bm, ch.tile_cols), block_m=bm)
 
 
-_OWN = re.compile(re.escape(grouped_gemm.NAME) + r"_(dot|swiglu)_bm(\d+)")
+_OWN = re.compile(re.escape(grouped_gemm.NAME) + r"_(dot|swiglu)_bm(\d+)_m(\d+)")
 _GRID = re.compile(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32")
 
 
 def own_grouped_call(rest: str, ins, outs) -> dict[str, Any] | None:
-  """This project's grouped GEMM kernel (model/grouped_gemm.py), read off its custom call: rows M (the output
-  less its block_m pad rows), K, N, groups G, kernels (2: gate and up), the tile and the launched grid."""
+  """This project's grouped GEMM kernel (model/grouped_gemm.py), read off its custom call: routed rows M and
+  the tile (its name), K, N, groups G (the first [G, K, N] operand: the x rows come first, then the gathered
+  variant's row indices), kernels (2: gate and up) and the launched grid."""
   m = _OWN.search(rest)
-  if not m or len(ins) < 2 or not outs:
+  w = next((s for _, s in ins if len(s) == 3), None)
+  if not m or w is None or not outs:
     return None
-  bm = int(m.group(2))
-  (Mp, K), (G, _, N) = ins[0][1], ins[1][1]
+  bm, M = int(m.group(2)), int(m.group(3))
+  G, K, N = w
   g = _GRID.search(rest)
-  return {"M": Mp - bm, "K": K, "N": N, "G": G, "n_weights": 2 if m.group(1) == "swiglu" else 1, "block_m": bm,
-          "slots": int(g.group(1)) if g else grouped_gemm.plan(Mp - bm, G).slots}
+  return {"M": M, "K": K, "N": N, "G": G, "n_weights": 2 if m.group(1) == "swiglu" else 1, "block_m": bm,
+          "slots": int(g.group(1)) if g else grouped_gemm.plan(M, G).slots}
 
 
 def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:

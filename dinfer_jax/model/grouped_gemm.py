@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from dinfer_jax.model import quant
 
-NAME = "dinfer_grouped"  # kernel names: f"{NAME}_{kind}_bm{block_m}" (bench/realistic.py reads them)
+NAME = "dinfer_grouped"  # kernel names: f"{NAME}_{kind}_bm{block_m}_m{M}" (bench/realistic.py reads them)
 BLOCK_N = 128
 BLOCK_K = 32
 # Row tiles. Below 64 rows per group the GEMM streams weights (one tile per group, no compute to speak of), so
@@ -93,11 +94,14 @@ def _values_scale(w):
   return w, None
 
 
-def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool, block_m: int, slots: int):
+def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool, block_m: int, slots: int,
+            gathered: bool, x_scaled: bool):
   """One (slot, column tile, group) block: the group's row tiles slot, slot + slots, ..."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   x_ref, refs = refs[0], refs[1:]
+  src_ref, refs = (refs[0], refs[1:]) if gathered else (None, refs)
+  xs_ref, refs = (refs[0], refs[1:]) if x_scaled else (None, refs)
   w_refs, refs = refs[:n_weights], refs[n_weights:]
   s_refs, refs = (refs[:n_weights], refs[n_weights:]) if scaled else ((None,) * n_weights, refs)
   os_ref, refs = (refs[0], refs[1:]) if out_scaled else (None, refs)
@@ -111,10 +115,16 @@ def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool,
   def tile(i, carry):
     start = lo + (s + i * slots) * block_m
     rows = (start + jnp.arange(block_m)) < hi
+    src = src_ref[pl.ds(start, block_m)] if gathered else None
 
     def k_step(kk, accs):
       ks = pl.multiple_of(kk * BLOCK_K, BLOCK_K)
-      a = plgpu.load(x_ref.at[pl.ds(start, block_m), pl.ds(ks, BLOCK_K)], mask=rows[:, None], other=0)
+      if gathered:  # each sorted row read from its token's row (every src entry is a valid row)
+        a = x_ref[src, pl.ds(ks, BLOCK_K)]
+      else:
+        a = plgpu.load(x_ref.at[pl.ds(start, block_m), pl.ds(ks, BLOCK_K)], mask=rows[:, None], other=0)
+      if x_scaled:  # in x's dtype, one rounding, as the XLA multiply it replaces
+        a = a * xs_ref[pl.ds(ks, BLOCK_K)][None, :]
       # 8-bit weights convert to the activations' dtype in the load; the scale waits for the epilogue.
       return tuple(acc + jnp.dot(a, w[pl.ds(ks, BLOCK_K), :].astype(a.dtype), preferred_element_type=jnp.float32)
                    for acc, w in zip(accs, w_refs))
@@ -132,6 +142,127 @@ def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool,
   jax.lax.fori_loop(0, steps, tile, 0)
 
 
+class Routed(NamedTuple):
+  """A softmax router's top-k, laid out for the grouped GEMM (topk_align). T tokens, padded to Tp (a power
+  of two); k slots per token; M = T * k routed rows.
+
+  w, idx [T, k]: top-k weights (fp32) and experts, as jax.lax.top_k gives them (ties: the lower expert).
+  dest [T, k]: the sorted row of each (token, slot): rows sorted by expert, then by token.
+  src [Tp * k + block_m]: the token of each sorted row; rows from M on are 0 (never a group's).
+  lo, hi [E]: the sorted rows [lo[e], hi[e]) of expert e."""
+  w: jax.Array
+  idx: jax.Array
+  dest: jax.Array
+  src: jax.Array
+  lo: jax.Array
+  hi: jax.Array
+
+
+# One program holds a [Tp, E] tile of routing state: beyond this many elements the XLA routing stays (a
+# refresh forward's thousand tokens), below it (the cached windows) one kernel replaces top_k, its slice, the
+# sort by expert and the group bounds.
+ALIGN_MAX_ELEMENTS = 16384
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def align_fits(T: int, E: int, k: int) -> bool:
+  return (_pow2(T) * E <= ALIGN_MAX_ELEMENTS and E & (E - 1) == 0 and k & (k - 1) == 0 and k <= E)
+
+
+def _align_kernel(p_ref, w_ref, idx_ref, dest_ref, src_ref, lo_ref, hi_ref, *, T: int, k: int, block_m: int):
+  from jax.experimental import pallas as pl
+  Tp, E = w_ref.shape[0], p_ref.shape[1]
+  t = jnp.arange(Tp, dtype=jnp.int32)
+  col = jnp.arange(E, dtype=jnp.int32)[None, :]
+  kcol = jnp.arange(k, dtype=jnp.int32)[None, :]
+  real = t < T
+  # Gathered with clamped rows: a [Tp, E] tile of a [T, E] input, no out-of-range read (the interpreter clamps
+  # slices instead of masking them). Probabilities are >= 0: padded tokens and taken experts go below.
+  p = jnp.where(real[:, None], p_ref[jnp.minimum(t, T - 1), :], -1.0)
+  taken = jnp.zeros((Tp, E), jnp.int32)
+  w = jnp.zeros((Tp, k), jnp.float32)
+  ids = []
+  for i in range(k):
+    m = jnp.max(p, axis=1)
+    j = jnp.min(jnp.where(p == m[:, None], col, E), axis=1)  # the lower expert on ties, as lax.top_k
+    sel = col == j[:, None]
+    taken = taken + sel.astype(jnp.int32)
+    p = jnp.where(sel, -2.0, p)
+    w = jnp.where(kcol == i, m[:, None], w)
+    ids.append(j)
+  taken = jnp.where(real[:, None], taken, 0)
+  # Counting sort: a token takes an expert at most once, so a row's place within its expert is the number of
+  # earlier tokens that took the expert; the expert's rows start after every lower expert's.
+  counts = jnp.sum(taken, axis=0)
+  ends = jnp.cumsum(counts)
+  starts = ends - counts
+  place = starts[None, :] + jnp.cumsum(taken, axis=0) - taken  # [Tp, E]
+  M = T * k
+  idx = jnp.zeros((Tp, k), jnp.int32)
+  dest = jnp.zeros((Tp, k), jnp.int32)
+  token = jnp.where(real, t, 0)
+  for i, j in enumerate(ids):
+    d = jnp.sum(jnp.where(col == j[:, None], place, 0), axis=1)
+    d = jnp.where(real, d, M + (t - T) * k + i)  # padded tokens' rows after every real one, each its own
+    src_ref[d] = token
+    idx = jnp.where(kcol == i, j[:, None], idx)
+    dest = jnp.where(kcol == i, d[:, None], dest)
+  src_ref[pl.ds(Tp * k, block_m)] = jnp.zeros((block_m,), jnp.int32)
+  w_ref[...] = w
+  idx_ref[...] = idx
+  dest_ref[...] = dest
+  lo_ref[...] = starts
+  hi_ref[...] = ends
+
+
+def _topk_align_call(probs: jax.Array, k: int, block_m: int, interpret: bool) -> Routed:
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  T, E = probs.shape
+  Tp = _pow2(T)
+  outs = (jax.ShapeDtypeStruct((Tp, k), jnp.float32), jax.ShapeDtypeStruct((Tp, k), jnp.int32),
+          jax.ShapeDtypeStruct((Tp, k), jnp.int32), jax.ShapeDtypeStruct((Tp * k + block_m,), jnp.int32),
+          jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((E,), jnp.int32))
+  w, idx, dest, src, lo, hi = pl.pallas_call(
+      functools.partial(_align_kernel, T=T, k=k, block_m=block_m), out_shape=outs,
+      in_specs=[pl.no_block_spec], out_specs=[pl.no_block_spec] * len(outs), grid=(1,), interpret=interpret,
+      name=f"{NAME}_topk_align", compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+  )(probs.astype(jnp.float32))
+  return Routed(w[:T], idx[:T], dest[:T], src, lo, hi)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _topk_align(probs, k, block_m, interpret):
+  return _topk_align_call(probs, k, block_m, interpret)
+
+
+def _topk_align_fwd(probs, k, block_m, interpret):
+  r = _topk_align_call(probs, k, block_m, interpret)
+  return r, (r.idx, probs.shape[1])
+
+
+def _topk_align_bwd(k, block_m, interpret, res, g):
+  # Only the weights are differentiable: each went to its (token, expert) probability.
+  idx, E = res
+  return (jnp.einsum("Tk,TkE->TE", g.w, jax.nn.one_hot(idx, E, dtype=g.w.dtype)),)
+
+
+_topk_align.defvjp(_topk_align_fwd, _topk_align_bwd)
+
+
+def topk_align(probs: jax.Array, k: int, block_m: int, *, interpret: bool = False) -> Routed:
+  """probs [T, E] (a softmax router's) -> its top-k laid out for grouped_matmul (Routed), in one kernel: what
+  lax.top_k, the sort by expert and group_bounds do in five (top_k, its slice, bounds, argsort; the row
+  gather becomes the GEMM's own). Differentiable in the weights. Needs align_fits(T, E, k)."""
+  T, E = probs.shape
+  if not align_fits(T, E, k):
+    raise ValueError(f"topk_align: T={T}, E={E}, k={k} do not fit one program (align_fits)")
+  return _topk_align(probs, k, block_m, interpret)
+
+
 def group_bounds(group_of_row: jax.Array, G: int) -> tuple[jax.Array, jax.Array]:
   """(lo, hi) [G] int32: the rows [lo[g], hi[g]) of group g once rows are sorted by group, counted straight
   from the unsorted group ids (one compare-and-sum kernel on GPU, no histogram scatter and cumsum)."""
@@ -141,12 +272,22 @@ def group_bounds(group_of_row: jax.Array, G: int) -> tuple[jax.Array, jax.Array]
 
 
 def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Plan, *,
-                   out_scale: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+                   out_scale: jax.Array | None = None, rows: jax.Array | None = None,
+                   routed_rows: int | None = None, x_scale: jax.Array | None = None,
+                   interpret: bool = False) -> jax.Array:
   """x [M + block_m, K] (rows sorted by group, pad rows last), ws one or two [G, K, N] kernels (two: gate and
   up, the result is silu(x @ gate) * (x @ up)), group g's rows [lo[g], hi[g]) (group_bounds) ->
   [M + block_m, N] in x's dtype, rows outside every group unwritten. out_scale [G, 1, N] multiplies the fp32
   result per (group, column) before the rounding: the next GEMM's per-input-channel scales (the experts'
-  down projection, model/quant.py) folded into this one's output."""
+  down projection, model/quant.py) folded into this one's output.
+
+  rows [R] (R >= M + block_m, every entry a row of x: topk_align's src): sorted row r is x[rows[r]], read by
+  the kernel itself, so x is the unsorted [T, K] and no gathered copy is written; the result has R rows.
+  x_scale [K]: multiplies x's columns as they are loaded (in x's dtype): an RMSNorm's weight, so the
+  normalised rows need not be written weighted.
+  routed_rows: M, the rows the plan was made for (needed with rows; else x's rows less block_m). The kernel's
+  name carries it and the tile (`dinfer_grouped_{dot|swiglu}_bm{block_m}_m{M}`: bench/realistic.py reads
+  them)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   if len(ws) not in (1, 2):
@@ -173,16 +314,29 @@ def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Pla
   out_scaled = out_scale is not None
   if out_scaled and tuple(out_scale.shape) != (G, 1, N):
     raise ValueError(f"grouped_matmul: out_scale {tuple(out_scale.shape)} is not [{G}, 1, {N}]")
-  in_specs = ([pl.no_block_spec] + [w_spec] * len(ws) + ([s_spec] * len(ws) if scaled else [])
+  gathered = rows is not None
+  if gathered:
+    if rows.ndim != 1 or rows.shape[0] <= p.block_m:
+      raise ValueError(f"grouped_matmul: rows {tuple(rows.shape)} must be one index per sorted row "
+                       f"(M + block_m of them at least)")
+    if routed_rows is None:
+      raise ValueError("grouped_matmul: rows needs routed_rows (M)")
+    Mp = rows.shape[0]
+  M = routed_rows if routed_rows is not None else Mp - p.block_m
+  x_scaled = x_scale is not None
+  if x_scaled and tuple(x_scale.shape) != (K,):
+    raise ValueError(f"grouped_matmul: x_scale {tuple(x_scale.shape)} is not [{K}]")
+  in_specs = ([pl.no_block_spec] + [pl.no_block_spec] * (gathered + x_scaled) + [w_spec] * len(ws) + ([s_spec] * len(ws) if scaled else [])
               + ([s_spec] if out_scaled else []) + [g_spec, g_spec])
-  args = ([x] + [v for v, _ in parts] + ([s for _, s in parts] if scaled else [])
+  args = ([x] + ([rows.astype(jnp.int32)] if gathered else []) + ([x_scale.astype(x.dtype)] if x_scaled else [])
+          + [v for v, _ in parts] + ([s for _, s in parts] if scaled else [])
           + ([out_scale.astype(jnp.float32)] if out_scaled else []) + [lo, hi])
   kind = "swiglu" if len(ws) == 2 else "dot"
   kernel = functools.partial(_kernel, n_weights=len(ws), scaled=scaled, out_scaled=out_scaled, swiglu=len(ws) == 2,
-                             block_m=p.block_m, slots=p.slots)
+                             block_m=p.block_m, slots=p.slots, gathered=gathered, x_scaled=x_scaled)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype), in_specs=in_specs,
       out_specs=pl.BlockSpec((Mp, bn), lambda s, j, e: (0, j)), grid=(p.slots, N // bn, G),
-      interpret=interpret, name=f"{NAME}_{kind}_bm{p.block_m}",
+      interpret=interpret, name=f"{NAME}_{kind}_bm{p.block_m}_m{M}",
       compiler_params=plgpu.CompilerParams(num_warps=8 if p.block_m >= 256 else 4, num_stages=3),
   )(*args)

@@ -10,9 +10,13 @@ from dinfer_jax.model import quant
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   """Normalises over the last axis. Statistics in fp32 (bf16 mean-of-squares loses digits), then cast back
   to x's dtype before the weight multiply, as the reference models do."""
+  return w.astype(x.dtype) * rms_normalize(x, eps)
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+  """rms_norm before its weight, in x's dtype (a kernel that applies the weight as it loads takes this)."""
   xf = x.astype(jnp.float32)
-  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return w.astype(x.dtype) * y.astype(x.dtype)
+  return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def rope(x: jax.Array, positions: jax.Array, *, theta: float, rot_dim: int) -> jax.Array:

@@ -61,13 +61,11 @@ def route(h: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Arra
   Returns:
     weights [T, k] fp32 and expert ids [T, k] int32.
   """
-  logits = jnp.einsum("TD,DE->TE", h.astype(jnp.float32), lp["router"].astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+  logits = _router_logits(h, lp)
   k = cfg.n_experts_per_tok
   if cfg.router == "softmax":
     # LLaDA-MoE: softmax over all experts, top-k, and no renormalisation (weights sum to < 1).
-    probs = jax.nn.softmax(logits, axis=-1)
-    w, idx = jax.lax.top_k(probs, k)
+    w, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     return w, idx.astype(jnp.int32)
   # LLaDA2: sigmoid scores; the bias only steers selection; selection is limited to the best groups,
   # where a group scores the sum of its top-2 biased scores.
@@ -83,6 +81,11 @@ def route(h: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Arra
   w = jnp.take_along_axis(scores, idx, axis=-1)
   w = w / (w.sum(-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
   return w, idx.astype(jnp.int32)
+
+
+def _router_logits(h: jax.Array, lp: dict) -> jax.Array:
+  return jnp.einsum("TD,DE->TE", h.astype(jnp.float32), lp["router"].astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
 
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("dinfer_jax_target_backend", default=None)
@@ -267,63 +270,113 @@ def moe_loop_reference(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_e
   return out.astype(h.dtype)
 
 
-def _grouped_forward(h, w, idx, ex, n_experts):
+def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale):
   M = idx.size
-  flat_e, order, tok = _sort_rows(idx)
-  lo, hi = grouped_gemm.group_bounds(flat_e, n_experts)
   p = grouped_gemm.plan(M, n_experts)
   interpret = backend() != "gpu"  # the CPU tests run the kernel's own code in Pallas's interpreter
-  # block_m pad rows (row 0 again; no group reads them) keep every tile's row slice inside x.
-  xs = h[jnp.concatenate([tok, jnp.zeros((p.block_m,), tok.dtype)])]
   down, fold = ex["down"], None
   if quant.is_qarray(down):  # per-(expert, F) scales: applied to the activations, in the kernel before
     fold, down = down.scale.reshape(down.shape[0], 1, down.shape[1]), down.qvalue
-  a = grouped_gemm.grouped_matmul(xs, (ex["gate"], ex["up"]), lo, hi, p, out_scale=fold, interpret=interpret)
-  ys = grouped_gemm.grouped_matmul(a, (down,), lo, hi, p, interpret=interpret)[:M]
-  return _combine(ys, w, order, tok, h)
+  if layout is None:
+    flat_e, order, tok = _sort_rows(idx)
+    lo, hi = grouped_gemm.group_bounds(flat_e, n_experts)
+    # block_m pad rows (row 0 again; no group reads them) keep every tile's row slice inside x.
+    xs, rows = h[jnp.concatenate([tok, jnp.zeros((p.block_m,), tok.dtype)])], None
+  else:  # topk_align's: the gate/up kernel reads each sorted row from h itself
+    dest, rows, lo, hi = layout
+    xs = h
+  if x_scale is not None and layout is None:
+    xs = xs * x_scale.astype(xs.dtype)
+  a = grouped_gemm.grouped_matmul(xs, (ex["gate"], ex["up"]), lo, hi, p, out_scale=fold, rows=rows,
+                                  routed_rows=M, x_scale=x_scale if layout is not None else None,
+                                  interpret=interpret)
+  ys = grouped_gemm.grouped_matmul(a, (down,), lo, hi, p, routed_rows=M, interpret=interpret)
+  if layout is None:
+    return _combine(ys[:M], w, order, tok, h)
+  # Each token sums its k rows, found by their sorted places: a gather XLA fuses with what follows (the
+  # residual add), where a scatter-add into zeros is a kernel of its own.
+  out = sum(ys[dest[:, i]].astype(jnp.float32) * w[:, i, None] for i in range(w.shape[1]))
+  return out.astype(h.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _grouped(h, w, idx, ex, n_experts):
-  return _grouped_forward(h, w, idx, ex, n_experts)
+def _grouped(h, w, idx, ex, n_experts, layout, x_scale):
+  """h [T, D] (times x_scale [D] when given: an RMSNorm's weight the kernel applies as it loads)."""
+  return _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale)
 
 
-def _grouped_fwd(h, w, idx, ex, n_experts):
-  return _grouped_forward(h, w, idx, ex, n_experts), (h, w, idx, ex)
+def _grouped_fwd(h, w, idx, ex, n_experts, layout, x_scale):
+  return _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale), (h, w, idx, ex, x_scale)
 
 
 def _grouped_bwd(n_experts, res, g):
   # The kernel has no transpose: gradients recompute the layer through XLA's ragged_dot (same maths).
-  h, w, idx, ex = res
-  _, vjp = jax.vjp(lambda h, w, ex: _ragged_xla(h, w, idx, ex, n_experts), h, w, ex)
-  dh, dw, dex = vjp(g)
-  return dh, dw, None, dex
+  h, w, idx, ex, x_scale = res
+  if x_scale is None:
+    _, vjp = jax.vjp(lambda h, w, ex: _ragged_xla(h, w, idx, ex, n_experts), h, w, ex)
+    dh, dw, dex = vjp(g)
+    return dh, dw, None, dex, None, None
+  _, vjp = jax.vjp(lambda h, w, ex, s: _ragged_xla(h * s.astype(h.dtype), w, idx, ex, n_experts), h, w, ex, x_scale)
+  dh, dw, dex, ds = vjp(g)
+  return dh, dw, None, dex, None, ds
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def _grouped_takes(ex: dict) -> bool:
+  return (grouped_gemm.supports(ex["gate"]) and grouped_gemm.supports(ex["up"])
+          and grouped_gemm.supports(ex["down"], per_input=True))
 
 
 def experts_grouped(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
   """Sort-by-expert + this project's grouped GEMM kernel (model/grouped_gemm.py: a grid that fits the rows
   per expert, gate and up in one kernel); h [T, D] -> [T, D]. Kernels it does not take (block-scaled 8-bit)
   go to experts_ragged."""
-  if not (grouped_gemm.supports(ex["gate"]) and grouped_gemm.supports(ex["up"])
-          and grouped_gemm.supports(ex["down"], per_input=True)):
+  if not _grouped_takes(ex):
     return experts_ragged(h, w, idx, ex, n_experts)
-  return _grouped(h, w, idx, ex, n_experts)
+  return _grouped(h, w, idx, ex, n_experts, None, None)
+
+
+def routes_in_kernel(cfg: ModelConfig, n_tokens: int, ex: dict) -> bool:
+  """Whether the grouped path also routes in a kernel (grouped_gemm.topk_align): a softmax router over few
+  enough tokens for one program (the cached windows; a refresh's thousand tokens route in XLA)."""
+  return (cfg.router == "softmax" and _grouped_takes(ex)
+          and grouped_gemm.align_fits(n_tokens, cfg.n_experts, cfg.n_experts_per_tok))
+
+
+def experts_grouped_routed(h: jax.Array, lp: dict, cfg: ModelConfig, norm_w: jax.Array | None = None) -> jax.Array:
+  """A softmax router's MoE FFN on h [T, D] (times norm_w when given) in four kernels besides XLA's router
+  GEMM and softmax: top-k and the sort by expert (topk_align), gate/up reading the sorted rows from h (and
+  applying norm_w as it loads: the weighted rows are never written), down; the combine gathers each token's
+  rows (fused by XLA with the residual add). Same maths as route + experts_grouped."""
+  k, E = cfg.n_experts_per_tok, cfg.n_experts
+  p = grouped_gemm.plan(h.shape[0] * k, E)
+  hw = h if norm_w is None else norm_w.astype(h.dtype) * h  # the router's input (XLA fuses it into its GEMM)
+  probs = jax.nn.softmax(_router_logits(hw, lp), axis=-1)
+  r = grouped_gemm.topk_align(probs, k, p.block_m, interpret=backend() != "gpu")
+  return _grouped(h, r.w, r.idx, lp["experts"], E, (r.dest, r.src, r.lo, r.hi), norm_w)
 
 
 EXPERT_KERNELS = {"dense": experts_dense, "ragged": experts_ragged, "grouped": experts_grouped,
                   "loop": moe_loop_reference}
 
 
-def moe_ffn(h: jax.Array, lp: dict, cfg: ModelConfig, impl: str | None = None) -> jax.Array:
-  """The MoE FFN of one layer on normed hidden states h [B, T, D] -> [B, T, D]."""
+def moe_ffn(h: jax.Array, lp: dict, cfg: ModelConfig, impl: str | None = None,
+            norm_w: jax.Array | None = None) -> jax.Array:
+  """The MoE FFN of one layer on normed hidden states h [B, T, D] -> [B, T, D]. With norm_w [D], h is
+  normalised but not yet weighted (layers.rms_normalize) and the norm's weight is applied here: by the
+  grouped kernel as it loads rows when it routes in a kernel, else first, as rms_norm does."""
   B, T, D = h.shape
   flat = h.reshape(B * T, D)
-  w, idx = route(flat, lp, cfg)
   impl = impl or choose_impl(cfg, B * T)
-  y = EXPERT_KERNELS[impl](flat, w, idx, lp["experts"], cfg.n_experts)
+  if impl == "grouped" and routes_in_kernel(cfg, B * T, lp["experts"]):
+    y = experts_grouped_routed(flat, lp, cfg, norm_w)
+  else:
+    if norm_w is not None:
+      flat = norm_w.astype(flat.dtype) * flat
+    w, idx = route(flat, lp, cfg)
+    y = EXPERT_KERNELS[impl](flat, w, idx, lp["experts"], cfg.n_experts)
   if "shared" in lp:
     sh = lp["shared"]
     y = y + swiglu(flat, sh["gate"], sh["up"], sh["down"])

@@ -18,7 +18,7 @@ from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import moe as moe_lib
 from dinfer_jax.model import quant
 from dinfer_jax.model.attention import attention, attention_mask
-from dinfer_jax.model.layers import rms_norm, rope, slice_rows, swiglu, update_rows, write_rows
+from dinfer_jax.model.layers import rms_norm, rms_normalize, rope, slice_rows, swiglu, update_rows, write_rows
 from dinfer_jax.sharding import current_mesh, shard
 
 
@@ -89,10 +89,10 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_
       vals = update_rows(cv, v.astype(cv.dtype), cache_start)
   a = attention(q, keys.astype(dt), vals.astype(dt), mask)
   x = x + quant.einsum("BTNH,NHD->BTD", a, lp["o"])
-  h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-  if moe:
-    y = moe_lib.moe_ffn(h, lp, cfg, moe_impl)
+  if moe:  # the MoE applies the norm's weight itself (on GPU inside its grouped kernel)
+    y = moe_lib.moe_ffn(rms_normalize(x, cfg.rms_eps), lp, cfg, moe_impl, norm_w=lp["ffn_norm"])
   else:
+    h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
     y = swiglu(h, lp["mlp"]["gate"], lp["mlp"]["up"], lp["mlp"]["down"])
   x = shard(x + y, ("act_batch", "act_len", "act_embed"))
   # In place: the cache's own buffers go back as it holds them; otherwise the K/V attended to, in the

@@ -204,7 +204,10 @@ def test_gpu_moe_runs_the_grouped_kernel_with_no_empty_blocks(weights):
     return text, realistic.forward_time(roofline.ModuleCost(text).total(), mod, realistic.H200)
 
   text, auto = realistic_of("cached", "auto")
-  assert text.count("dinfer_grouped_swiglu_bm16/") == text.count("dinfer_grouped_dot_bm16/") == base.n_layers
+  assert text.count("dinfer_grouped_swiglu_bm16_m768/") == text.count("dinfer_grouped_dot_bm16_m768/") == base.n_layers
+  # The cached window's 96 tokens route in one kernel each layer (top-k, sort by expert, bounds).
+  assert sum("custom-call(" in line and "dinfer_grouped_topk_align/" in line
+             for line in text.splitlines()) == base.n_layers
   assert auto["grouped_gemm_calls"] == 2 * base.n_layers and auto["grouped_gemm_empty_s"] == 0
   assert auto["dequantized_copy_bytes"] == 0
   _, dense = realistic_of("cached", "dense")

@@ -127,7 +127,7 @@ def test_realistic_model_reads_the_kernel_off_its_custom_call():
   line = ('%pallas_call.1 = bf16[784,1024]{1,0} custom-call(%x, %g, %u, %lo, %hi), '
           'custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={bf16[784,2048]{1,0}, '
           'bf16[64,2048,1024]{2,1,0}, bf16[64,2048,1024]{2,1,0}, s32[64]{0}, s32[64]{0}}, '
-          'metadata={op_name="jit(f)/dinfer_grouped_swiglu_bm16/pallas_call"}, '
+          'metadata={op_name="jit(f)/dinfer_grouped_swiglu_bm16_m768/pallas_call"}, '
           'backend_config={debug = false, grid_x = 1 : i32, grid_y = 8 : i32, grid_z = 64 : i32, ir = "ML"}')
   ins = realistic.arrays(line.split("operand_layout_constraints=")[1].split("}, metadata")[0])
   own = realistic.own_grouped_call(line, ins, realistic.arrays("bf16[784,1024]"))
@@ -193,3 +193,111 @@ def test_gpu_picks_the_kernel_and_cpu_the_dense_einsum():
   # A program partitioned over several devices keeps the dense einsums (the kernel has no partitioning rule).
   with moe.target_backend("gpu"), moe.partitioned():
     assert moe.choose_impl(cfg, 4096) == "dense"
+
+
+# ----------------------------------------------------------------------------- routing in one kernel
+
+def _align_reference(probs, k):
+  """lax.top_k, then the stable sort by expert and the group bounds, as the XLA path does them."""
+  w, idx = jax.lax.top_k(probs, k)
+  flat = np.asarray(idx).reshape(-1)
+  order = np.argsort(flat, kind="stable")
+  dest = np.empty_like(order)
+  dest[order] = np.arange(order.size)
+  lo, hi = gg.group_bounds(jnp.asarray(flat), probs.shape[1])
+  return w, idx, dest.reshape(idx.shape), order // k, lo, hi
+
+
+@pytest.mark.parametrize("T,E,k", [(12, 8, 2), (1, 4, 2), (96, 64, 8), (33, 16, 4)])
+def test_topk_align_matches_top_k_and_the_sort(T, E, k):
+  rng = np.random.default_rng(T + E)
+  probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(T, E)), jnp.float32))
+  if T > 1:  # exact ties: lax.top_k takes the lower expert first
+    probs = probs.at[0].set(1.0 / E).at[1, 1:3].set(probs[1, 0])
+  bm = 16
+  r = gg.topk_align(probs, k, bm, interpret=True)
+  w, idx, dest, src, lo, hi = _align_reference(probs, k)
+  np.testing.assert_array_equal(r.w, w)
+  np.testing.assert_array_equal(r.idx, idx)
+  np.testing.assert_array_equal(r.dest, dest)
+  np.testing.assert_array_equal(r.lo, lo)
+  np.testing.assert_array_equal(r.hi, hi)
+  M = T * k
+  np.testing.assert_array_equal(r.src[:M], src)
+  Tp = 1 << max(0, (T - 1).bit_length())
+  assert r.src.shape == (Tp * k + bm,) and not np.asarray(r.src[M:]).any()  # the rows past M: row 0
+
+
+def test_topk_align_gradient_is_top_ks():
+  probs = jax.nn.softmax(jnp.asarray(np.random.default_rng(1).normal(size=(10, 8)), jnp.float32))
+  g = jnp.asarray(np.random.default_rng(2).normal(size=(10, 2)), jnp.float32)
+  got = jax.grad(lambda p: (gg.topk_align(p, 2, 16, interpret=True).w * g).sum())(probs)
+  want = jax.grad(lambda p: (jax.lax.top_k(p, 2)[0] * g).sum())(probs)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_topk_align_fits_one_program_only():
+  assert gg.align_fits(96, 64, 8) and gg.align_fits(256, 64, 8)
+  assert not gg.align_fits(257, 64, 8)  # a refresh's tokens: the XLA routing
+  assert not gg.align_fits(8, 48, 8) and not gg.align_fits(8, 64, 6)  # Triton tiles are powers of two
+  with pytest.raises(ValueError, match="T=1280, E=64, k=8"):
+    gg.topk_align(jnp.zeros((1280, 64)), 8, 16)
+
+
+@pytest.mark.parametrize("n_weights", [1, 2])
+def test_grouped_matmul_reads_rows_through_an_index_and_scales_them(n_weights):
+  """rows= (topk_align's src): sorted row r is x[rows[r]], read by the kernel; x_scale multiplies x's columns
+  as loaded (an RMSNorm weight). Against the loop on the gathered, scaled rows."""
+  rng = np.random.default_rng(5)
+  T, K, N, k, E = 11, 64, 128, 2, 4
+  probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(T, E)), jnp.float32))
+  p = gg.plan(T * k, E)
+  r = gg.topk_align(probs, k, p.block_m, interpret=True)
+  x = jnp.asarray(rng.normal(size=(T, K)), jnp.float32)
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, size=(K,)), jnp.float32)
+  ws = [jnp.asarray(rng.normal(size=(E, K, N)) / 8, jnp.float32) for _ in range(n_weights)]
+  out = gg.grouped_matmul(x, tuple(ws), r.lo, r.hi, p, rows=r.src, routed_rows=T * k, x_scale=scale,
+                          interpret=True)
+  assert out.shape == (r.src.shape[0], N)
+  sizes = np.asarray(r.hi - r.lo)
+  want = loop_reference(np.asarray(x)[np.asarray(r.src[:T * k])] * np.asarray(scale), ws, sizes)
+  np.testing.assert_allclose(np.asarray(out[:T * k]), want, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="routed_rows"):
+    gg.grouped_matmul(x, tuple(ws), r.lo, r.hi, p, rows=r.src, interpret=True)
+  with pytest.raises(ValueError, match="x_scale"):
+    gg.grouped_matmul(x, tuple(ws), r.lo, r.hi, p, rows=r.src, routed_rows=T * k, x_scale=scale[:8],
+                      interpret=True)
+
+
+def test_moe_ffn_routes_in_the_kernel_and_matches_the_reference():
+  """moe_ffn on the grouped kernel with routing in topk_align and the norm weight applied in the GEMM's load,
+  against the loop-over-experts reference on the weighted input; 8-bit experts too; gradients (input, norm
+  weight, router, experts) against the reference's."""
+  from dinfer_jax.config import ModelConfig
+  from dinfer_jax.model.params import init_params
+  cfg = ModelConfig(family="llada_moe", vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=2,
+                    head_dim=16, ffn_dim=0, n_experts=8, n_experts_per_tok=2, expert_ffn_dim=32)
+  p = init_params(cfg, jax.random.PRNGKey(0))
+  lp = jax.tree_util.tree_map(lambda x: x[0], p["moe_layers"])
+  h = jax.random.normal(jax.random.PRNGKey(1), (2, 19, cfg.d_model))
+  nw = 1.0 + 0.3 * jax.random.normal(jax.random.PRNGKey(2), (cfg.d_model,))
+  assert moe.routes_in_kernel(cfg, 38, lp["experts"])
+  ref = moe.moe_ffn(nw * h, lp, cfg, "loop")
+  out = moe.moe_ffn(h, lp, cfg, "grouped", norm_w=nw)
+  np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(ref).max()) > 1e-2
+  for spec in ("int8", "fp8"):
+    q = quant.quantize_params({"moe_layers": [lp]}, quant.QuantConfig.parse(spec))["moe_layers"][0]
+    q = dict(lp, experts=q["experts"])
+    np.testing.assert_allclose(moe.moe_ffn(h, q, cfg, "grouped", norm_w=nw), moe.moe_ffn(nw * h, q, cfg, "loop"),
+                               rtol=1e-5, atol=1e-5)
+
+  def loss(impl, fused):
+    def f(h, nw, lp):
+      y = moe.moe_ffn(h, lp, cfg, impl, norm_w=nw) if fused else moe.moe_ffn(nw * h, lp, cfg, impl)
+      return (y ** 2).sum()
+    return f
+  got = jax.grad(loss("grouped", True), argnums=(0, 1, 2))(h, nw, lp)
+  want = jax.grad(loss("loop", False), argnums=(0, 1, 2))(h, nw, lp)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
