@@ -146,8 +146,9 @@ class Routed(NamedTuple):
   """A softmax router's top-k, laid out for the grouped GEMM (topk_align). T tokens, padded to Tp (a power
   of two); k slots per token; M = T * k routed rows.
 
-  w, idx [T, k]: top-k weights (fp32) and experts, as jax.lax.top_k gives them (ties: the lower expert).
-  dest [T, k]: the sorted row of each (token, slot): rows sorted by expert, then by token.
+  w, idx [Tp, k]: top-k weights (fp32) and experts, as jax.lax.top_k gives them (ties: the lower expert).
+  dest [Tp, k]: the sorted row of each (token, slot): rows sorted by expert, then by token.
+  Rows from T on are padding (kept: a slice would be a copy in front of the kernels that read them).
   src [Tp * k + block_m]: the token of each sorted row; rows from M on are 0 (never a group's).
   lo, hi [E]: the sorted rows [lo[e], hi[e]) of expert e."""
   w: jax.Array
@@ -231,7 +232,7 @@ def _topk_align_call(probs: jax.Array, k: int, block_m: int, interpret: bool) ->
       in_specs=[pl.no_block_spec], out_specs=[pl.no_block_spec] * len(outs), grid=(1,), interpret=interpret,
       name=f"{NAME}_topk_align", compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
   )(probs.astype(jnp.float32))
-  return Routed(w[:T], idx[:T], dest[:T], src, lo, hi)
+  return Routed(w, idx, dest, src, lo, hi)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -241,13 +242,13 @@ def _topk_align(probs, k, block_m, interpret):
 
 def _topk_align_fwd(probs, k, block_m, interpret):
   r = _topk_align_call(probs, k, block_m, interpret)
-  return r, (r.idx, probs.shape[1])
+  return r, (r.idx[:probs.shape[0]], probs.shape[1])
 
 
 def _topk_align_bwd(k, block_m, interpret, res, g):
   # Only the weights are differentiable: each went to its (token, expert) probability.
   idx, E = res
-  return (jnp.einsum("Tk,TkE->TE", g.w, jax.nn.one_hot(idx, E, dtype=g.w.dtype)),)
+  return (jnp.einsum("Tk,TkE->TE", g.w[:idx.shape[0]], jax.nn.one_hot(idx, E, dtype=g.w.dtype)),)
 
 
 _topk_align.defvjp(_topk_align_fwd, _topk_align_bwd)
@@ -261,6 +262,52 @@ def topk_align(probs: jax.Array, k: int, block_m: int, *, interpret: bool = Fals
   if not align_fits(T, E, k):
     raise ValueError(f"topk_align: T={T}, E={E}, k={k} do not fit one program (align_fits)")
   return _topk_align(probs, k, block_m, interpret)
+
+
+def _combine_norm_kernel(ys_ref, dest_ref, w_ref, x_ref, xo_ref, n_ref, *, k: int, bt: int, eps: float):
+  from jax.experimental import pallas as pl
+  rows = pl.ds(pl.program_id(0) * bt, bt)
+  dest, w = dest_ref[rows, :], w_ref[rows, :]
+  kcol = jnp.arange(k, dtype=jnp.int32)[None, :]
+  acc = None
+  for i in range(k):  # slot order, fp32: the sum the XLA combine does
+    d = jnp.sum(jnp.where(kcol == i, dest, 0), axis=1)
+    wi = jnp.sum(jnp.where(kcol == i, w, 0.0), axis=1)
+    term = ys_ref[d, :].astype(jnp.float32) * wi[:, None]
+    acc = term if acc is None else acc + term
+  x = x_ref[rows, :] + acc.astype(x_ref.dtype)
+  xf = x.astype(jnp.float32)
+  xo_ref[rows, :] = x
+  n_ref[rows, :] = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)).astype(n_ref.dtype)
+
+
+def combine_rows(ys: jax.Array, dest: jax.Array, w: jax.Array) -> jax.Array:
+  """XLA's combine: token t's output is sum_i w[t, i] ys[dest[t, i]] in fp32 (slot order), [T, D] fp32 for
+  dest / w [T, k]."""
+  return sum(ys[dest[:, i]].astype(jnp.float32) * w[:, i, None] for i in range(w.shape[1]))
+
+
+def combine_normalize(ys: jax.Array, dest: jax.Array, w: jax.Array, x: jax.Array, eps: float, *,
+                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+  """The end of a MoE block and the start of the next, in one kernel: x + combine(ys) (the residual, in x's
+  dtype) and its RMS normalisation before the weight (layers.rms_normalize; the next GEMM applies the weight
+  as it loads). ys [R, D] sorted rows (the down GEMM's), dest / w [>= T, k] (topk_align's; rows [0, T)
+  read), x [T, D]. Two XLA
+  kernels otherwise (a gather-add, then the norm: a reduction does not fuse into the gather)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  T, D = x.shape
+  k = w.shape[1]
+  if dest.shape != w.shape or dest.shape[0] < T or ys.shape[1] != D or D & (D - 1) or k & (k - 1):
+    raise ValueError(f"combine_normalize: ys {tuple(ys.shape)}, dest {tuple(dest.shape)}, w {tuple(w.shape)}, "
+                     f"x {tuple(x.shape)} (D and k powers of two)")
+  bt = min(T & -T, 8)  # a power of two dividing T: every program's rows exist (no masked stores)
+  out = jax.ShapeDtypeStruct((T, D), x.dtype)
+  return pl.pallas_call(
+      functools.partial(_combine_norm_kernel, k=k, bt=bt, eps=eps), out_shape=(out, out),
+      in_specs=[pl.no_block_spec] * 4, out_specs=[pl.no_block_spec] * 2, grid=(T // bt,), interpret=interpret,
+      name=f"{NAME}_combine_norm", compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
+  )(ys, dest.astype(jnp.int32), w.astype(jnp.float32), x)
 
 
 def group_bounds(group_of_row: jax.Array, G: int) -> tuple[jax.Array, jax.Array]:

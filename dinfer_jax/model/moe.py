@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import grouped_gemm, quant
-from dinfer_jax.model.layers import swiglu
+from dinfer_jax.model.layers import rms_normalize, swiglu
 
 # Token count above which "auto" switches from the dense kernel to ragged_dot on an accelerator other than a
 # GPU (on GPU "auto" is the grouped kernel of model/grouped_gemm.py at every token count). The dense
@@ -270,8 +270,9 @@ def moe_loop_reference(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_e
   return out.astype(h.dtype)
 
 
-def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale):
-  M = idx.size
+def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
+  T = h.shape[0]
+  M = T * idx.shape[1]
   p = grouped_gemm.plan(M, n_experts)
   interpret = backend() != "gpu"  # the CPU tests run the kernel's own code in Pallas's interpreter
   down, fold = ex["down"], None
@@ -282,43 +283,58 @@ def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale):
     lo, hi = grouped_gemm.group_bounds(flat_e, n_experts)
     # block_m pad rows (row 0 again; no group reads them) keep every tile's row slice inside x.
     xs, rows = h[jnp.concatenate([tok, jnp.zeros((p.block_m,), tok.dtype)])], None
-  else:  # topk_align's: the gate/up kernel reads each sorted row from h itself
+    if x_scale is not None:
+      xs = xs * x_scale.astype(xs.dtype)
+  else:  # topk_align's: the gate/up kernel reads each sorted row from h itself and applies x_scale
     dest, rows, lo, hi = layout
     xs = h
-  if x_scale is not None and layout is None:
-    xs = xs * x_scale.astype(xs.dtype)
   a = grouped_gemm.grouped_matmul(xs, (ex["gate"], ex["up"]), lo, hi, p, out_scale=fold, rows=rows,
                                   routed_rows=M, x_scale=x_scale if layout is not None else None,
                                   interpret=interpret)
   ys = grouped_gemm.grouped_matmul(a, (down,), lo, hi, p, routed_rows=M, interpret=interpret)
   if layout is None:
-    return _combine(ys[:M], w, order, tok, h)
-  # Each token sums its k rows, found by their sorted places: a gather XLA fuses with what follows (the
-  # residual add), where a scatter-add into zeros is a kernel of its own.
-  out = sum(ys[dest[:, i]].astype(jnp.float32) * w[:, i, None] for i in range(w.shape[1]))
-  return out.astype(h.dtype)
+    y = _combine(ys[:M], w, order, tok, h)
+  elif residual is not None:  # the residual add and the next norm in the same kernel as the combine
+    return grouped_gemm.combine_normalize(ys, dest, w, residual, eps, interpret=interpret)
+  else:
+    # Each token sums its k rows, found by their sorted places: a gather XLA fuses with what follows (the
+    # residual add), where a scatter-add into zeros is a kernel of its own.
+    y = grouped_gemm.combine_rows(ys, dest[:T], w[:T]).astype(h.dtype)
+  return y if residual is None else _residual_normalize(residual, y, eps)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _grouped(h, w, idx, ex, n_experts, layout, x_scale):
-  """h [T, D] (times x_scale [D] when given: an RMSNorm's weight the kernel applies as it loads)."""
-  return _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale)
+def _residual_normalize(residual, y, eps):
+  x = residual + y
+  return x, rms_normalize(x, eps)
 
 
-def _grouped_fwd(h, w, idx, ex, n_experts, layout, x_scale):
-  return _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale), (h, w, idx, ex, x_scale)
+def _grouped_reference(h, w, idx, ex, n_experts, x_scale, residual, eps):
+  """What _grouped computes, through XLA's ragged_dot: its gradients (w, idx: rows past T are padding)."""
+  T = h.shape[0]
+  y = _ragged_xla(h if x_scale is None else h * x_scale.astype(h.dtype), w[:T], idx[:T], ex, n_experts)
+  return y if residual is None else _residual_normalize(residual, y, eps)
 
 
-def _grouped_bwd(n_experts, res, g):
-  # The kernel has no transpose: gradients recompute the layer through XLA's ragged_dot (same maths).
-  h, w, idx, ex, x_scale = res
-  if x_scale is None:
-    _, vjp = jax.vjp(lambda h, w, ex: _ragged_xla(h, w, idx, ex, n_experts), h, w, ex)
-    dh, dw, dex = vjp(g)
-    return dh, dw, None, dex, None, None
-  _, vjp = jax.vjp(lambda h, w, ex, s: _ragged_xla(h * s.astype(h.dtype), w, idx, ex, n_experts), h, w, ex, x_scale)
-  dh, dw, dex, ds = vjp(g)
-  return dh, dw, None, dex, None, ds
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 8))
+def _grouped(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
+  """h [T, D] (times x_scale [D] when given: an RMSNorm's weight the kernel applies as it loads) -> y [T, D],
+  or with a residual [T, D]: (residual + y, its rms_normalize). w, idx [>= T, k]: rows past T are padding
+  (topk_align's)."""
+  return _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps)
+
+
+def _grouped_fwd(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
+  out = _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps)
+  return out, (h, w, idx, ex, x_scale, residual)
+
+
+def _grouped_bwd(n_experts, eps, res, g):
+  # The kernels have no transpose: gradients recompute the layer through XLA's ragged_dot (same maths).
+  h, w, idx, ex, x_scale, residual = res
+  _, vjp = jax.vjp(lambda h, w, ex, s, r: _grouped_reference(h, w, idx, ex, n_experts, s, r, eps),
+                   h, w, ex, x_scale, residual)
+  dh, dw, dex, ds, dr = vjp(g)
+  return dh, dw, None, dex, None, ds, dr
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -335,7 +351,7 @@ def experts_grouped(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_expe
   go to experts_ragged."""
   if not _grouped_takes(ex):
     return experts_ragged(h, w, idx, ex, n_experts)
-  return _grouped(h, w, idx, ex, n_experts, None, None)
+  return _grouped(h, w, idx, ex, n_experts, None, None, None, 0.0)
 
 
 def routes_in_kernel(cfg: ModelConfig, n_tokens: int, ex: dict) -> bool:
@@ -345,17 +361,20 @@ def routes_in_kernel(cfg: ModelConfig, n_tokens: int, ex: dict) -> bool:
           and grouped_gemm.align_fits(n_tokens, cfg.n_experts, cfg.n_experts_per_tok))
 
 
-def experts_grouped_routed(h: jax.Array, lp: dict, cfg: ModelConfig, norm_w: jax.Array | None = None) -> jax.Array:
+def experts_grouped_routed(h: jax.Array, lp: dict, cfg: ModelConfig, norm_w: jax.Array | None = None,
+                           residual: jax.Array | None = None):
   """A softmax router's MoE FFN on h [T, D] (times norm_w when given) in four kernels besides XLA's router
   GEMM and softmax: top-k and the sort by expert (topk_align), gate/up reading the sorted rows from h (and
-  applying norm_w as it loads: the weighted rows are never written), down; the combine gathers each token's
-  rows (fused by XLA with the residual add). Same maths as route + experts_grouped."""
+  applying norm_w as it loads: the weighted rows are never written), down, and the combine: with a residual
+  [T, D] it returns (residual + y, rms_normalize of it) from one kernel (grouped_gemm.combine_normalize), else
+  y, each token's k rows gathered (XLA fuses that with the residual add). Same maths as route +
+  experts_grouped."""
   k, E = cfg.n_experts_per_tok, cfg.n_experts
   p = grouped_gemm.plan(h.shape[0] * k, E)
   hw = h if norm_w is None else norm_w.astype(h.dtype) * h  # the router's input (XLA fuses it into its GEMM)
   probs = jax.nn.softmax(_router_logits(hw, lp), axis=-1)
   r = grouped_gemm.topk_align(probs, k, p.block_m, interpret=backend() != "gpu")
-  return _grouped(h, r.w, r.idx, lp["experts"], E, (r.dest, r.src, r.lo, r.hi), norm_w)
+  return _grouped(h, r.w, r.idx, lp["experts"], E, (r.dest, r.src, r.lo, r.hi), norm_w, residual, cfg.rms_eps)
 
 
 EXPERT_KERNELS = {"dense": experts_dense, "ragged": experts_ragged, "grouped": experts_grouped,
@@ -363,21 +382,29 @@ EXPERT_KERNELS = {"dense": experts_dense, "ragged": experts_ragged, "grouped": e
 
 
 def moe_ffn(h: jax.Array, lp: dict, cfg: ModelConfig, impl: str | None = None,
-            norm_w: jax.Array | None = None) -> jax.Array:
+            norm_w: jax.Array | None = None, residual: jax.Array | None = None):
   """The MoE FFN of one layer on normed hidden states h [B, T, D] -> [B, T, D]. With norm_w [D], h is
   normalised but not yet weighted (layers.rms_normalize) and the norm's weight is applied here: by the
-  grouped kernel as it loads rows when it routes in a kernel, else first, as rms_norm does."""
+  grouped kernel as it loads rows when it routes in a kernel, else first, as rms_norm does.
+
+  With a residual [B, T, D] it returns (residual + y, rms_normalize(residual + y) or None): the block's output
+  and, where the grouped kernels route and combine (GPU, cached windows), its normalisation for the next
+  norm, computed in the combine's kernel."""
   B, T, D = h.shape
   flat = h.reshape(B * T, D)
   impl = impl or choose_impl(cfg, B * T)
-  if impl == "grouped" and routes_in_kernel(cfg, B * T, lp["experts"]):
-    y = experts_grouped_routed(flat, lp, cfg, norm_w)
-  else:
-    if norm_w is not None:
-      flat = norm_w.astype(flat.dtype) * flat
-    w, idx = route(flat, lp, cfg)
-    y = EXPERT_KERNELS[impl](flat, w, idx, lp["experts"], cfg.n_experts)
+  if impl == "grouped" and "shared" not in lp and routes_in_kernel(cfg, B * T, lp["experts"]):
+    res = None if residual is None else residual.reshape(B * T, D)
+    out = experts_grouped_routed(flat, lp, cfg, norm_w, res)
+    if residual is None:
+      return out.reshape(B, T, D)
+    return out[0].reshape(B, T, D), out[1].reshape(B, T, D)
+  if norm_w is not None:
+    flat = norm_w.astype(flat.dtype) * flat
+  w, idx = route(flat, lp, cfg)
+  y = EXPERT_KERNELS[impl](flat, w, idx, lp["experts"], cfg.n_experts)
   if "shared" in lp:
     sh = lp["shared"]
     y = y + swiglu(flat, sh["gate"], sh["up"], sh["down"])
-  return y.reshape(B, T, D)
+  y = y.reshape(B, T, D)
+  return y if residual is None else (residual + y, None)

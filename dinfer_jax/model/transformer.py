@@ -65,12 +65,13 @@ def _queries_keys(h, lp, cfg: ModelConfig, positions) -> tuple[jax.Array, jax.Ar
   return qk[:, :, :N], qk[:, :, N:]
 
 
-def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_start, write_mask, moe_impl,
-           in_place: bool = False):
-  """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None. in_place: the fresh K/V go into
-  kv_in's buffers (where write_mask) and those buffers come back, in the cache dtype."""
+def _layer(x, lp, kv_in, xn=None, *, cfg: ModelConfig, moe: bool, positions, mask, cache_start, write_mask,
+           moe_impl, in_place: bool = False):
+  """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None; xn: rms_normalize(x) when the block
+  before computed it (its MoE combine kernel did). in_place: the fresh K/V go into kv_in's buffers (where
+  write_mask) and those buffers come back, in the cache dtype. Returns (x, its rms_normalize or None, K/V)."""
   dt = x.dtype
-  h = rms_norm(x, lp["attn_norm"], cfg.rms_eps)
+  h = rms_norm(x, lp["attn_norm"], cfg.rms_eps) if xn is None else lp["attn_norm"].astype(dt) * xn
   q, k = _queries_keys(h, lp, cfg, positions)
   v = quant.einsum("BTD,DKH->BTKH", h, lp["v"])
   q = shard(q, ("act_batch", "act_len", "q_heads", "head_dim"))
@@ -89,15 +90,18 @@ def _layer(x, lp, kv_in, *, cfg: ModelConfig, moe: bool, positions, mask, cache_
       vals = update_rows(cv, v.astype(cv.dtype), cache_start)
   a = attention(q, keys.astype(dt), vals.astype(dt), mask)
   x = x + quant.einsum("BTNH,NHD->BTD", a, lp["o"])
-  if moe:  # the MoE applies the norm's weight itself (on GPU inside its grouped kernel)
-    y = moe_lib.moe_ffn(rms_normalize(x, cfg.rms_eps), lp, cfg, moe_impl, norm_w=lp["ffn_norm"])
+  xn = None
+  if moe:
+    # The MoE applies the norm's weight itself and adds the residual: on GPU its grouped kernels apply the
+    # weight as they load rows and normalise the block's output for the next norm in the combine's kernel.
+    x, xn = moe_lib.moe_ffn(rms_normalize(x, cfg.rms_eps), lp, cfg, moe_impl, norm_w=lp["ffn_norm"], residual=x)
   else:
     h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
-    y = swiglu(h, lp["mlp"]["gate"], lp["mlp"]["up"], lp["mlp"]["down"])
-  x = shard(x + y, ("act_batch", "act_len", "act_embed"))
+    x = x + swiglu(h, lp["mlp"]["gate"], lp["mlp"]["up"], lp["mlp"]["down"])
+  x = shard(x, ("act_batch", "act_len", "act_embed"))
   # In place: the cache's own buffers go back as it holds them; otherwise the K/V attended to, in the
   # activation dtype.
-  return x, (keys, vals) if in_place else (keys.astype(dt), vals.astype(dt))
+  return x, xn, (keys, vals) if in_place else (keys.astype(dt), vals.astype(dt))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
@@ -159,6 +163,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
   x = shard(x, ("act_batch", "act_len", "act_embed"))
 
   ks, vs = [], []
+  xn = None  # rms_normalize(x), when the last block's MoE kernel computed it
   start = 0
   for name, n, is_moe in (("dense_layers", cfg.n_dense_layers, False), ("moe_layers", cfg.n_moe_layers, True)):
     if n == 0:
@@ -173,7 +178,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
       # Per-layer buffers (params.unstack_layers): every kernel, cuBLAS and Triton custom calls included,
       # reads the layer's weights in place.
       for i, lp in enumerate(params[name]):
-        x, (k, v) = body(x, lp, None if kv_in is None else (kv_in[0][i], kv_in[1][i]))
+        x, xn, (k, v) = body(x, lp, None if kv_in is None else (kv_in[0][i], kv_in[1][i]), xn)
         ks.append(k if per_layer else k[None])
         vs.append(v if per_layer else v[None])
     elif unroll_layers:
@@ -182,16 +187,18 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
       # the 50 GB of a 7B-A1B cached forward were those copies).
       for i in range(n):
         lp = jax.tree_util.tree_map(lambda a: a[i], params[name])
-        x, (k, v) = body(x, lp, None if kv_in is None else (kv_in[0][i], kv_in[1][i]))
+        x, xn, (k, v) = body(x, lp, None if kv_in is None else (kv_in[0][i], kv_in[1][i]), xn)
         ks.append(k if per_layer else k[None])
         vs.append(v if per_layer else v[None])
     else:
       if per_layer:
         raise ValueError("forward: per-layer K/V need the unrolled layers (unroll_layers=True)")
+      # The scan's carry is x alone: a block's normalised output (xn) is recomputed by the next block.
       if kv_in is None:
-        x, (k, v) = jax.lax.scan(lambda c, lp: body(c, lp, None), x, params[name])
+        x, (k, v) = jax.lax.scan(lambda c, lp: body(c, lp, None)[::2], x, params[name])
       else:
-        x, (k, v) = jax.lax.scan(lambda c, xs: body(c, xs[0], xs[1]), x, (params[name], kv_in))
+        x, (k, v) = jax.lax.scan(lambda c, xs: body(c, xs[0], xs[1])[::2], x, (params[name], kv_in))
+      xn = None
       ks.append(k)
       vs.append(v)
     start += n
@@ -200,7 +207,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
   else:
     kv = KVCache(k=jnp.concatenate(ks) if len(ks) > 1 else ks[0], v=jnp.concatenate(vs) if len(vs) > 1 else vs[0])
 
-  x = rms_norm(x, params["final_norm"], cfg.rms_eps)
+  x = rms_norm(x, params["final_norm"], cfg.rms_eps) if xn is None else params["final_norm"].astype(dt) * xn
   if logits_len is not None:
     x = slice_rows(x, logits_start, logits_len)
   # Logits in fp32: decoding confidences and thresholds are computed from them.

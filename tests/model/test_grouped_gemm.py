@@ -217,21 +217,22 @@ def test_topk_align_matches_top_k_and_the_sort(T, E, k):
   bm = 16
   r = gg.topk_align(probs, k, bm, interpret=True)
   w, idx, dest, src, lo, hi = _align_reference(probs, k)
-  np.testing.assert_array_equal(r.w, w)
-  np.testing.assert_array_equal(r.idx, idx)
-  np.testing.assert_array_equal(r.dest, dest)
+  Tp = 1 << max(0, (T - 1).bit_length())
+  assert r.w.shape == r.idx.shape == r.dest.shape == (Tp, k)  # rows past T: padding
+  np.testing.assert_array_equal(r.w[:T], w)
+  np.testing.assert_array_equal(r.idx[:T], idx)
+  np.testing.assert_array_equal(r.dest[:T], dest)
   np.testing.assert_array_equal(r.lo, lo)
   np.testing.assert_array_equal(r.hi, hi)
   M = T * k
   np.testing.assert_array_equal(r.src[:M], src)
-  Tp = 1 << max(0, (T - 1).bit_length())
   assert r.src.shape == (Tp * k + bm,) and not np.asarray(r.src[M:]).any()  # the rows past M: row 0
 
 
 def test_topk_align_gradient_is_top_ks():
   probs = jax.nn.softmax(jnp.asarray(np.random.default_rng(1).normal(size=(10, 8)), jnp.float32))
   g = jnp.asarray(np.random.default_rng(2).normal(size=(10, 2)), jnp.float32)
-  got = jax.grad(lambda p: (gg.topk_align(p, 2, 16, interpret=True).w * g).sum())(probs)
+  got = jax.grad(lambda p: (gg.topk_align(p, 2, 16, interpret=True).w[:10] * g).sum())(probs)
   want = jax.grad(lambda p: (jax.lax.top_k(p, 2)[0] * g).sum())(probs)
   np.testing.assert_array_equal(got, want)
 
@@ -301,3 +302,43 @@ def test_moe_ffn_routes_in_the_kernel_and_matches_the_reference():
   want = jax.grad(loss("loop", False), argnums=(0, 1, 2))(h, nw, lp)
   for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", [12, 13])  # 13: one token per program
+def test_combine_normalize_matches_the_xla_combine_add_and_norm(T):
+  from dinfer_jax.model.layers import rms_normalize
+  rng = np.random.default_rng(T)
+  E, k, D = 8, 2, 64
+  probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(T, E)), jnp.float32))
+  r = gg.topk_align(probs, k, 16, interpret=True)
+  ys = jnp.asarray(rng.normal(size=(r.src.shape[0], D)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+  xo, xn = gg.combine_normalize(ys, r.dest, r.w, x, 1e-6, interpret=True)
+  want = x + gg.combine_rows(ys, r.dest[:T], r.w[:T])
+  np.testing.assert_allclose(xo, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(xn, rms_normalize(want, 1e-6), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="combine_normalize"):
+    gg.combine_normalize(ys[:, :48], r.dest, r.w, x, 1e-6, interpret=True)
+
+
+def test_forward_on_the_grouped_kernels_matches_the_dense_forward():
+  """The whole model with the MoE on the grouped kernels (routing in topk_align, the norm weight in the GEMM's
+  load, each block's output normalised for the next norm in the combine's kernel) against the dense MoE:
+  logits and the gradients of a loss."""
+  from dinfer_jax.config import ModelConfig
+  from dinfer_jax.model.params import init_params
+  from dinfer_jax.model.transformer import forward
+  cfg = ModelConfig(family="llada_moe", vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2,
+                    head_dim=16, ffn_dim=0, n_experts=8, n_experts_per_tok=2, expert_ffn_dim=32, qk_norm=True,
+                    mask_token_id=63, eos_token_id=62, max_position=64)
+  params = init_params(cfg, jax.random.PRNGKey(0))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, 62)
+  assert moe.routes_in_kernel(cfg, 18, jax.tree_util.tree_map(lambda a: a[0], params["moe_layers"])["experts"])
+
+  def logits(p, impl):
+    return forward(p, cfg, tokens, moe_impl=impl).logits
+  np.testing.assert_allclose(logits(params, "grouped"), logits(params, "dense"), rtol=1e-5, atol=1e-5)
+  loss = lambda impl: (lambda p: (jax.nn.log_softmax(logits(p, impl))[..., 0]).sum())  # noqa: E731
+  got, want = jax.grad(loss("grouped"))(params), jax.grad(loss("dense"))(params)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
