@@ -252,6 +252,30 @@ def test_after_an_interruption_the_closed_loop_callback_is_not_printed(tmp_path,
   assert seen == [other]
 
 
+def test_an_interruption_inside_an_asyncio_callback_is_not_logged(tmp_path, caplog):
+  """The handler's raise can land in a callback of an event loop running in the main thread (orbax's), which
+  asyncio catches and logs as "Exception in callback ..." with the traceback (seen in CI). Not logged; the
+  swap is still stopped and the user sees the one-line message."""
+  import asyncio
+
+  def callback():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+
+  with pytest.raises(outdir.Interrupted, match="SIGTERM"):
+    with outdir.atomic_dir(tmp_path / "out") as tmp:
+      (tmp / "half").write_text("x")
+      loop = asyncio.new_event_loop()
+      try:
+        loop.call_soon(callback)
+        loop.call_soon(loop.stop)
+        loop.run_forever()  # asyncio swallows the raise (and would log it)
+      finally:
+        loop.close()
+  assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+  assert leftovers(tmp_path, "out") == []
+
+
 # SIGTERM at many points of a real conversion, timed from the moment its staging directory appears (while a
 # leaf is built, while orbax's writer threads write one, while it finalises): the message must be true at
 # each. Before the fix, about one kill in four left a `.out.tmp-*` directory that orbax's writer thread
