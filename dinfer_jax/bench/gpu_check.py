@@ -84,10 +84,12 @@ def kernels_of(compiled) -> dict[str, Any]:
   text = compiled.as_text()
   mod = realistic.Module(text)
   k = realistic.kernels(mod, realistic.H200)
-  return {"kernels": k.total, "attention": "cudnn" if "__cudnn$fmha" in text else "xla",
-          "moe": ("dinfer-grouped-triton" if grouped_gemm.NAME in text
-                  else "tokamax-triton" if "__gpu$xla.gpu.triton" in text
-                  else "ragged-xla" if "ragged-dot" in text or "ragged_dot" in text else "dense")}
+  moe_name = ("dinfer-grouped-triton" if grouped_gemm.NAME in text
+              else "tokamax-triton" if "__gpu$xla.gpu.triton" in text
+              else "ragged-xla" if "ragged-dot" in text or "ragged_dot" in text else "dense")
+  # The routing and combine kernels of the cached windows (grouped_gemm.topk_align, combine_normalize).
+  moe_name += "".join(f"+{part}" for part in ("topk_align", "combine_norm") if f"{grouped_gemm.NAME}_{part}" in text)
+  return {"kernels": k.total, "attention": "cudnn" if "__cudnn$fmha" in text else "xla", "moe": moe_name}
 
 
 def _prompts(cfg: ModelConfig, batch: int, length: int) -> list[list[int]]:
