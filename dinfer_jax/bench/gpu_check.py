@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.bench import presets, realistic, roofline
-from dinfer_jax.config import ModelConfig
+from dinfer_jax.config import MOE_IMPLS, ModelConfig
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.model import grouped_gemm, moe
@@ -253,7 +253,10 @@ def shapes(args) -> dict[str, Any]:
   """The roofline bench's preset (tiny: its tiny preset in fp32) and its generation settings."""
   name = "tiny" if args.tiny else "llada_moe_7b_a1b"
   p = presets.get(name)
-  return {"name": name, "cfg": p.model(), "dtype": jnp.float32 if args.tiny else jnp.bfloat16,
+  cfg = p.model()
+  if getattr(args, "moe_impl", "auto") != "auto":  # a rerun without the grouped kernels, should they fail there
+    cfg = dataclasses.replace(cfg, moe_impl=args.moe_impl)
+  return {"name": name, "cfg": cfg, "dtype": jnp.float32 if args.tiny else jnp.bfloat16,
           "P": p.prompt_length, "G": p.gen_length, "L": p.block_length,
           "gcfgs": {s: roofline.generation_config(p, "dual", s) for s in roofline.SETTINGS}}
 
@@ -433,6 +436,9 @@ def main(argv=None) -> int:
   ap.add_argument("--weights", default="bf16",
                   help="comma list of weight formats to measure: bf16 (every item), int8, fp8, int8-block, fp8-block "
                        "(batch-1 forwards and generate, then batch 8; a second 6-minute run: --weights fp8,int8)")
+  ap.add_argument("--moe-impl", default="auto", choices=MOE_IMPLS,
+                  help="the MoE kernels of every item (default: the engine's choice, on GPU the project's grouped "
+                       "kernels; dense for a rerun in the same slot should they fail on the box)")
   ap.add_argument("--predicted", action="append", default=None,
                   help="roofline bench JSON(s) to compare with (default: dinfer_jax/bench/predicted/*.json)")
   args = ap.parse_args(argv)

@@ -283,3 +283,12 @@ def test_box_install_keeps_what_the_machine_has(tmp_path, capsys):
   assert box_install.dist_name(wheels / "typing_inspection-0.4.5-py3-none-any.whl") == "typing-inspection"
   assert box_install.main([str(wheels), str(tmp_path / "site")]) == 0
   assert "kept: numpy" in capsys.readouterr().out and not (tmp_path / "site").exists()
+
+
+def test_gpu_check_moe_impl_flag_reaches_the_model_config():
+  """A rerun without the grouped kernels (should they fail on the box): --moe-impl dense."""
+  import argparse
+  assert gpu_check.shapes(argparse.Namespace(tiny=True, moe_impl="dense"))["cfg"].moe_impl == "dense"
+  assert gpu_check.shapes(argparse.Namespace(tiny=True, moe_impl="auto"))["cfg"].moe_impl == "auto"
+  with pytest.raises(SystemExit):
+    gpu_check.main(["--tiny", "--moe-impl", "nope"])
