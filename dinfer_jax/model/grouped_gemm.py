@@ -12,6 +12,12 @@ the [M, F] gate and up outputs are never written. 8-bit weights with one scale p
 (model/quant.py) are loaded as they are and scaled in the epilogue; the down projection's per-input-channel
 scales fold into the gate/up kernel's output (`out_scale`); block scales are not this kernel's (`supports`).
 
+Around it, for token counts whose routing fits one program (the cached windows): `topk_align` (a softmax
+router's top-k, the counting sort by expert and the group bounds in one kernel), the gate/up kernel reading
+each sorted row through its index (`rows=`) with the RMSNorm weight applied as it loads (`x_scale=`), and
+`combine_normalize` (each token's rows summed, the residual added and the sum RMS-normalised for the next
+layer, in one kernel).
+
 Rows are padded: x has M + block_m rows (the caller gathers them so; the pad rows are never read as a
 group's rows), because a tile's rows are a dynamic slice of block_m rows and the interpreter (CPU tests)
 clamps a slice that runs past the end rather than masking it. Output rows outside every group are left
