@@ -208,6 +208,11 @@ def test_gpu_moe_runs_the_grouped_kernel_with_no_empty_blocks(weights):
   # The cached window's 96 tokens route in one kernel each layer (top-k, sort by expert, bounds).
   assert sum("custom-call(" in line and "dinfer_grouped_topk_align/" in line
              for line in text.splitlines()) == base.n_layers
+  # ... and each block's output is normalised for the next in the combine's kernel: issue 20's kernel budget.
+  assert sum("custom-call(" in line and "dinfer_grouped_combine_norm/" in line
+             for line in text.splitlines()) == base.n_layers
+  if weights == "bf16":
+    assert auto["kernels"] <= 250
   assert auto["grouped_gemm_calls"] == 2 * base.n_layers and auto["grouped_gemm_empty_s"] == 0
   assert auto["dequantized_copy_bytes"] == 0
   _, dense = realistic_of("cached", "dense")
