@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from dinfer_jax.model import quant
+from dinfer_jax.model.layers import rms_normalize
 
 NAME = "dinfer_grouped"  # kernel names: f"{NAME}_{kind}_bm{block_m}_m{M}" (bench/realistic.py reads them)
 BLOCK_N = 128
@@ -262,8 +263,8 @@ _topk_align.defvjp(_topk_align_fwd, _topk_align_bwd)
 
 def topk_align(probs: jax.Array, k: int, block_m: int, *, interpret: bool = False) -> Routed:
   """probs [T, E] (a softmax router's) -> its top-k laid out for grouped_matmul (Routed), in one kernel: what
-  lax.top_k, the sort by expert and group_bounds do in five (top_k, its slice, bounds, argsort; the row
-  gather becomes the GEMM's own). Differentiable in the weights. Needs align_fits(T, E, k)."""
+  lax.top_k, the sort by expert and group_bounds do in four (top_k, its slice, the bounds, the sort; the row
+  gather becomes the GEMM's own load). Differentiable in the weights. Needs align_fits(T, E, k)."""
   T, E = probs.shape
   if not align_fits(T, E, k):
     raise ValueError(f"topk_align: T={T}, E={E}, k={k} do not fit one program (align_fits)")
@@ -282,9 +283,8 @@ def _combine_norm_kernel(ys_ref, dest_ref, w_ref, x_ref, xo_ref, n_ref, *, k: in
     term = ys_ref[d, :].astype(jnp.float32) * wi[:, None]
     acc = term if acc is None else acc + term
   x = x_ref[rows, :] + acc.astype(x_ref.dtype)
-  xf = x.astype(jnp.float32)
   xo_ref[rows, :] = x
-  n_ref[rows, :] = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=1, keepdims=True) + eps)).astype(n_ref.dtype)
+  n_ref[rows, :] = rms_normalize(x, eps)
 
 
 def combine_rows(ys: jax.Array, dest: jax.Array, w: jax.Array) -> jax.Array:
@@ -298,8 +298,8 @@ def combine_normalize(ys: jax.Array, dest: jax.Array, w: jax.Array, x: jax.Array
   """The end of a MoE block and the start of the next, in one kernel: x + combine(ys) (the residual, in x's
   dtype) and its RMS normalisation before the weight (layers.rms_normalize; the next GEMM applies the weight
   as it loads). ys [R, D] sorted rows (the down GEMM's), dest / w [>= T, k] (topk_align's; rows [0, T)
-  read), x [T, D]. Two XLA
-  kernels otherwise (a gather-add, then the norm: a reduction does not fuse into the gather)."""
+  read), x [T, D]. Two XLA kernels otherwise (a gather-add, then the norm: a reduction does not fuse into the
+  gather)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   T, D = x.shape

@@ -283,14 +283,12 @@ def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
     lo, hi = grouped_gemm.group_bounds(flat_e, n_experts)
     # block_m pad rows (row 0 again; no group reads them) keep every tile's row slice inside x.
     xs, rows = h[jnp.concatenate([tok, jnp.zeros((p.block_m,), tok.dtype)])], None
-    if x_scale is not None:
-      xs = xs * x_scale.astype(xs.dtype)
-  else:  # topk_align's: the gate/up kernel reads each sorted row from h itself and applies x_scale
+  else:  # topk_align's: the gate/up kernel reads each sorted row from h itself
     dest, rows, lo, hi = layout
     xs = h
+  # x_scale (the norm weight) is applied by the kernel as it loads rows either way.
   a = grouped_gemm.grouped_matmul(xs, (ex["gate"], ex["up"]), lo, hi, p, out_scale=fold, rows=rows,
-                                  routed_rows=M, x_scale=x_scale if layout is not None else None,
-                                  interpret=interpret)
+                                  routed_rows=M, x_scale=x_scale, interpret=interpret)
   ys = grouped_gemm.grouped_matmul(a, (down,), lo, hi, p, routed_rows=M, interpret=interpret)
   if layout is None:
     y = _combine(ys[:M], w, order, tok, h)

@@ -342,3 +342,16 @@ def test_forward_on_the_grouped_kernels_matches_the_dense_forward():
   got, want = jax.grad(loss("grouped"))(params), jax.grad(loss("dense"))(params)
   for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_matmul_scales_sorted_rows_too():
+  """x_scale on the plain (pre-gathered) rows: the same column scaling as the indexed path."""
+  rng = np.random.default_rng(9)
+  sizes, K, N = [3, 0, 9, 4], 64, 128
+  G, M = len(sizes), sum(sizes)
+  x = jnp.asarray(rng.normal(size=(M, K)), jnp.float32)
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, size=(K,)), jnp.float32)
+  ws = [jnp.asarray(rng.normal(size=(G, K, N)) / 8, jnp.float32) for _ in range(2)]
+  out = _run(x, ws, sizes, gg.Plan(16, 1), x_scale=scale)
+  np.testing.assert_allclose(np.asarray(out), loop_reference(np.asarray(x) * np.asarray(scale), ws, sizes),
+                             rtol=1e-5, atol=1e-5)
