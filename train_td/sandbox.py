@@ -629,6 +629,12 @@ def _root_contents() -> tuple[str, list[str], list[tuple[str, str]]]:
   return interpreter, kept, links
 
 
+def _new_uid() -> int:
+  """A fresh uid for one run (root modes): no other process on the machine holds it, so nothing of
+  the host can be signalled or ptraced by the program, and a leftover of this run is findable by it."""
+  return SANDBOX_UID_RANGE[0] + secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0])
+
+
 def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
   code_bytes = code.encode("utf-8", "surrogateescape")
   if len(code_bytes) > limits.disk_bytes // 2:
@@ -637,7 +643,7 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
   if why:
     raise SandboxError(f"sandbox mode {mode!r} cannot hold here: {why}")
   is_root = os.geteuid() == 0
-  uid = SANDBOX_UID_RANGE[0] + secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0])
+  uid = _new_uid()
   workdir = tempfile.mkdtemp(prefix="dinfer-sandbox-", dir=_workdir_parent())
   interpreter, binds, links = _root_contents()
   cfg = dict(mode=mode, workdir=workdir, uid=uid if is_root else None, interpreter=interpreter,

@@ -34,9 +34,9 @@ while True:
 """
 
 
-def _sandbox_uid_processes():
-  """Live (non-zombie) processes, or any zombies, owned by a sandbox uid."""
-  lo, hi = sandbox.SANDBOX_UID_RANGE
+def _sandbox_uid_processes(uids):
+  """Live (non-zombie) processes, or any zombies, owned by one of `uids` (this test's own runs: the
+  suite runs in parallel workers, and another worker's sandboxed program is not a leftover of ours)."""
   found = []
   for entry in os.listdir("/proc"):
     if entry.isdigit():
@@ -45,9 +45,23 @@ def _sandbox_uid_processes():
       except OSError:
         continue
       uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
-      if lo <= uid < hi:
+      if uid in uids:
         found.append((int(entry), uid))
   return found
+
+
+@pytest.fixture
+def run_uids(monkeypatch):
+  """The sandbox uids the test's runs are given, recorded as they are drawn."""
+  uids = []
+  draw = sandbox._new_uid
+
+  def record():
+    uids.append(draw())
+    return uids[-1]
+
+  monkeypatch.setattr(sandbox, "_new_uid", record)
+  return uids
 
 
 def test_modes_found():
@@ -98,22 +112,24 @@ def test_sleeper_hits_wall_timeout(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fork_bomb_contained(mode):
+def test_fork_bomb_contained(mode, run_uids):
   r = run_python(FORK_BOMB, limits=FAST, mode=mode)
   assert not r.ok
   assert r.killed_reason in ("wall_timeout", "cpu_limit"), r
   # The machine is unharmed: we can still start processes, and nothing of the run is left.
   assert subprocess.run(["true"]).returncode == 0
-  assert _sandbox_uid_processes() == []
+  assert len(run_uids) == 1
+  assert _sandbox_uid_processes(run_uids) == []
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_escaped_background_process_killed(mode):
+def test_escaped_background_process_killed(mode, run_uids):
   # A child that leaves the process group (setsid) and outlives the program.
   code = "import os, time\nif os.fork() == 0:\n  os.setsid()\n  time.sleep(60)\nprint('parent done')"
   r = run_python(code, limits=FAST, mode=mode)
   assert r.ok and r.stdout == "parent done\n", r
-  assert _sandbox_uid_processes() == []
+  assert len(run_uids) == 1
+  assert _sandbox_uid_processes(run_uids) == []
 
 
 _CALLER = """
@@ -121,6 +137,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from train_td import sandbox
 sandbox.available_modes()  # the probe runs a sandboxed program too; get it out of the way
+sandbox._new_uid = lambda: int(sys.argv[3])  # the test looks for exactly this run's processes
 print("probed", flush=True)
 sandbox.run_python("import time\\ntime.sleep(100)", limits=sandbox.Limits(wall_seconds=3.0), mode=sys.argv[2])
 """
@@ -130,20 +147,21 @@ sandbox.run_python("import time\\ntime.sleep(100)", limits=sandbox.Limits(wall_s
 @pytest.mark.parametrize("mode", MODES)
 def test_program_dies_with_its_caller(mode):
   before = set(os.listdir(sandbox.tempfile.gettempdir()))
-  caller = subprocess.Popen([sys.executable, "-c", _CALLER, str(REPO), mode], stdout=subprocess.PIPE,
-                            text=True)
+  uids = [sandbox._new_uid()]
+  caller = subprocess.Popen([sys.executable, "-c", _CALLER, str(REPO), mode, str(uids[0])],
+                            stdout=subprocess.PIPE, text=True)
   try:
     assert caller.stdout.readline() == "probed\n"
     deadline = time.monotonic() + 10
-    while not _sandbox_uid_processes():
+    while not _sandbox_uid_processes(uids):
       assert time.monotonic() < deadline, "the sandboxed program never started"
       time.sleep(0.05)
     caller.kill()  # no cleanup runs in the caller
     caller.wait()
     # The launcher notices (parent-death signal, or its own wall-clock backstop) and ends the run.
     deadline = time.monotonic() + 10
-    while _sandbox_uid_processes():
-      assert time.monotonic() < deadline, _sandbox_uid_processes()
+    while _sandbox_uid_processes(uids):
+      assert time.monotonic() < deadline, _sandbox_uid_processes(uids)
       time.sleep(0.1)
   finally:
     caller.kill()
