@@ -106,6 +106,17 @@ def _mix_text(mix) -> str:
   return ",".join(f"{n}={w}" for n, w in mix)
 
 
+def train_config_fields(args) -> dict:
+  """The TrainConfig fields a `train` command line gives, parsed (mix and canvases as tuples)."""
+  from train_td import trainer
+  given = {f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.TrainConfig) if hasattr(args, f.name)}
+  if "mix" in given:
+    given["mix"] = _parse_mix(given["mix"])
+  if "canvases" in given:
+    given["canvases"] = _parse_canvases(given["canvases"])
+  return given
+
+
 def cmd_train(args) -> int:
   import pathlib
 
@@ -114,11 +125,7 @@ def cmd_train(args) -> int:
   from dinfer_jax.sharding import setup_parallel
   mesh = setup_parallel(args)  # before any JAX computation (jax.distributed.initialize requires it)
   from train_td import trainer
-  given = {f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.TrainConfig) if hasattr(args, f.name)}
-  if "mix" in given:
-    given["mix"] = _parse_mix(given["mix"])
-  if "canvases" in given:
-    given["canvases"] = _parse_canvases(given["canvases"])
+  given = train_config_fields(args)
   if args.td:
     return cmd_train_td(args, given, mesh)
   saved = pathlib.Path(args.run_dir) / trainer.TRAIN_CONFIG

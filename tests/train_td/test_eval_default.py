@@ -14,16 +14,16 @@ from train_td import export as export_lib
 pytestmark = pytest.mark.skipif(not (api.DEFAULT_MODEL_DIR / "config.json").exists(),
                                 reason="the default model is not installed")
 
-# Measured on the shipped weights (default_v10, 2026-12-04; seed 0, threshold 0.9, dual cache, the model's
-# generation_config.json): 191/200 held-out arithmetic problems, 39/50 program problems (the first 50 draws
-# hold more of the small families, so fewer than the 172/200 of the full set), 98/100 long additions (197/200).
+# Measured on the shipped weights (default_v13, 2026-12-05; seed 0, threshold 0.9, dual cache, the model's
+# generation_config.json): 192/200 held-out arithmetic problems, 39/50 program problems (the first 50 draws
+# hold more of the small families, so fewer than on the full set), 96/100 long additions.
 # The tests allow a margin below that for other CPUs' float rounding.
-ARITHMETIC_ACC_200 = 0.955
+ARITHMETIC_ACC_200 = 0.96
 PROGRAM_ACC_50 = 0.78
-ADD_ACC_100 = 0.98
-# default_v10's fine-tune mix (train_td/README.md, "The shipped model"): its export wrote the long-addition
-# prompt rule and the trained tasks.
-SHIPPED_MIX = (("arithmetic", 0.25), ("program", 0.2), ("add", 0.15), ("split", 0.4))
+ADD_ACC_100 = 0.96
+# default_v13's last fine-tune mix (train_td/retrain_default.sh): its export wrote the long-addition prompt
+# rule and the trained tasks.
+SHIPPED_MIX = (("arithmetic", 0.35), ("program", 0.4), ("add", 0.05), ("split", 0.2))
 
 
 @pytest.fixture(scope="module")
