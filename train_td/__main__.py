@@ -195,7 +195,7 @@ def _add_distill(sub):
   p.add_argument("--n", default="split=799,arithmetic=4000,program=800,add=2000",
                  help="training prompts per task (TASK=N,...)")
   p.add_argument("--batch", type=_positive_int, default=256, help="collect: prompts per engine call")
-  p.add_argument("--steps", type=_positive_int, default=1000)
+  p.add_argument("--steps", type=_positive_int, default=600)
   p.add_argument("--batch-size", type=_positive_int, default=64)
   p.add_argument("--lr", type=float, default=5e-4)
   p.add_argument("--warmup-steps", type=int, default=40)
@@ -204,6 +204,9 @@ def _add_distill(sub):
   p.add_argument("--task-weights", default="split=0.4,arithmetic=0.3,program=0.15,add=0.15", metavar="TASK=W,...",
                  help="how often each task makes a TD batch ('': in proportion to its trajectories)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--threshold", type=float, default=None,
+                 help="the exported model's decoding threshold in its generation_config.json (default: the "
+                 "base's; collection always decodes at the base's)")
   p.add_argument("--overwrite", action="store_true",
                  help="replace an existing model directory at --out (anything else there is refused)")
   p.add_argument("--no-progress", action="store_true")

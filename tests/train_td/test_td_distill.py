@@ -242,6 +242,8 @@ def test_distill_refuses_an_existing_out_before_any_work(tiny_model_dir, tmp_pat
   # Weights that do not name the --tasks are refused before collecting too.
   assert _distill(tiny_model_dir, tmp_path, tmp_path / "new", "--task-weights", "split=1") == 2
   assert "--task-weights" in capsys.readouterr().err and not (tmp_path / "w").exists()
+  assert _distill(tiny_model_dir, tmp_path, tmp_path / "new", "--threshold", "1.5") == 2
+  assert "threshold" in capsys.readouterr().err and not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow  # collect + 2 TD steps + export, twice: -m slow
@@ -251,9 +253,13 @@ def test_distill_overwrite_replaces_an_earlier_model(tiny_model_dir, tmp_path, c
   first = (out / "model.safetensors").read_bytes()
   assert _distill(tiny_model_dir, tmp_path, out) == 2  # exists: refused, untouched
   assert "--overwrite" in capsys.readouterr().err and (out / "model.safetensors").read_bytes() == first
-  # The run is finished, so a rerun only re-exports: same weights, the directory replaced.
-  assert _distill(tiny_model_dir, tmp_path, out, "--overwrite") == 0
+  base_gen = json.loads((tiny_model_dir / "generation_config.json").read_text())
+  assert json.loads((out / "generation_config.json").read_text()) == base_gen
+  # The run is finished, so a rerun only re-exports: same weights, the directory replaced, and --threshold
+  # changes the exported decoding threshold only.
+  assert _distill(tiny_model_dir, tmp_path, out, "--overwrite", "--threshold", "0.7") == 0
   assert (out / "model.safetensors").read_bytes() == first
+  assert json.loads((out / "generation_config.json").read_text()) == dict(base_gen, threshold=0.7)
   assert dinfer_jax.load(out).config == dinfer_jax.load(tiny_model_dir).config
 
 
