@@ -635,6 +635,12 @@ def _new_uid() -> int:
   return SANDBOX_UID_RANGE[0] + secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0])
 
 
+def _new_workdir() -> str:
+  """The host directory behind one run's root, removed when the run ends (the tests record it: other
+  runs, in other processes, make theirs in the same parent at the same time)."""
+  return tempfile.mkdtemp(prefix="dinfer-sandbox-", dir=_workdir_parent())
+
+
 def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
   code_bytes = code.encode("utf-8", "surrogateescape")
   if len(code_bytes) > limits.disk_bytes // 2:
@@ -644,7 +650,7 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
     raise SandboxError(f"sandbox mode {mode!r} cannot hold here: {why}")
   is_root = os.geteuid() == 0
   uid = _new_uid()
-  workdir = tempfile.mkdtemp(prefix="dinfer-sandbox-", dir=_workdir_parent())
+  workdir = _new_workdir()
   interpreter, binds, links = _root_contents()
   cfg = dict(mode=mode, workdir=workdir, uid=uid if is_root else None, interpreter=interpreter,
              binds=binds, links=links, arch=os.uname().machine, limits=dataclasses.asdict(limits))

@@ -79,10 +79,23 @@ def test_limits_validated():
     Limits(wall_seconds=0)
 
 
+@pytest.fixture
+def run_workdirs(monkeypatch):
+  """The host directories of the test's runs, recorded as they are made (other workers' runs make theirs
+  in the same parent meanwhile)."""
+  dirs = []
+  make = sandbox._new_workdir
+
+  def record():
+    dirs.append(make())
+    return dirs[-1]
+
+  monkeypatch.setattr(sandbox, "_new_workdir", record)
+  return dirs
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_normal_program(mode):
-  parent = sandbox._workdir_parent()
-  before = {n for n in os.listdir(parent) if n.startswith("dinfer-sandbox-")}
+def test_normal_program(mode, run_workdirs):
   r = run_python("import os, sys\nopen('f.txt', 'w').write(input())\nprint(open('f.txt').read()[::-1])\n"
                  "print(os.getcwd())\nprint('to stderr', file=sys.stderr)",
                  stdin="hello", mode=mode)
@@ -92,8 +105,8 @@ def test_normal_program(mode):
   assert reversed_text == "olleh"
   assert r.stderr == "to stderr\n"
   assert cwd == "/tmp"  # the program's own tmpfs inside its root
-  after = {n for n in os.listdir(parent) if n.startswith("dinfer-sandbox-")}
-  assert after <= before, "the host directory behind the run's root must be removed afterwards"
+  assert len(run_workdirs) == 1 and os.path.basename(run_workdirs[0]).startswith("dinfer-sandbox-")
+  assert not os.path.exists(run_workdirs[0]), "the host directory behind the run's root must be removed afterwards"
   failed = run_python("raise SystemExit(3)", mode=mode)
   assert (failed.ok, failed.returncode, failed.killed_reason) == (False, 3, None)
 
@@ -138,6 +151,14 @@ sys.path.insert(0, sys.argv[1])
 from train_td import sandbox
 sandbox.available_modes()  # the probe runs a sandboxed program too; get it out of the way
 sandbox._new_uid = lambda: int(sys.argv[3])  # the test looks for exactly this run's processes
+make_workdir = sandbox._new_workdir
+
+def announced_workdir():
+  d = make_workdir()
+  print(d, flush=True)  # the test removes exactly this one: the killed caller cannot
+  return d
+
+sandbox._new_workdir = announced_workdir
 print("probed", flush=True)
 sandbox.run_python("import time\\ntime.sleep(100)", limits=sandbox.Limits(wall_seconds=3.0), mode=sys.argv[2])
 """
@@ -146,12 +167,14 @@ sandbox.run_python("import time\\ntime.sleep(100)", limits=sandbox.Limits(wall_s
 @pytest.mark.skipif(os.geteuid() != 0, reason="finds the program by its sandbox uid (root modes)")
 @pytest.mark.parametrize("mode", MODES)
 def test_program_dies_with_its_caller(mode):
-  before = set(os.listdir(sandbox.tempfile.gettempdir()))
   uids = [sandbox._new_uid()]
+  workdir = None
   caller = subprocess.Popen([sys.executable, "-c", _CALLER, str(REPO), mode, str(uids[0])],
                             stdout=subprocess.PIPE, text=True)
   try:
     assert caller.stdout.readline() == "probed\n"
+    workdir = caller.stdout.readline().strip()
+    assert os.path.basename(workdir).startswith("dinfer-sandbox-"), workdir
     deadline = time.monotonic() + 10
     while not _sandbox_uid_processes(uids):
       assert time.monotonic() < deadline, "the sandboxed program never started"
@@ -166,9 +189,8 @@ def test_program_dies_with_its_caller(mode):
   finally:
     caller.kill()
     caller.wait()
-    for name in set(os.listdir(sandbox.tempfile.gettempdir())) - before:
-      if name.startswith("dinfer-sandbox-"):  # the dead caller could not remove its working dir
-        shutil.rmtree(os.path.join(sandbox.tempfile.gettempdir(), name), ignore_errors=True)
+    if workdir:  # the dead caller could not remove its working dir; others' live ones are left alone
+      shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
