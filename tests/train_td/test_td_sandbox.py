@@ -50,18 +50,25 @@ def _sandbox_uid_processes(uids):
   return found
 
 
-@pytest.fixture
-def run_uids(monkeypatch):
-  """The sandbox uids the test's runs are given, recorded as they are drawn."""
-  uids = []
-  draw = sandbox._new_uid
+def _record(monkeypatch, name: str) -> list:
+  """What sandbox.<name>() returns to this test's runs, in order. Other pytest workers run sandboxed
+  programs at the same time, with their own uids and directories in the same parent: a test looks at its
+  own runs' only."""
+  seen = []
+  make = getattr(sandbox, name)
 
   def record():
-    uids.append(draw())
-    return uids[-1]
+    seen.append(make())
+    return seen[-1]
 
-  monkeypatch.setattr(sandbox, "_new_uid", record)
-  return uids
+  monkeypatch.setattr(sandbox, name, record)
+  return seen
+
+
+@pytest.fixture
+def run_uids(monkeypatch):
+  """The sandbox uids the test's runs are given."""
+  return _record(monkeypatch, "_new_uid")
 
 
 def test_modes_found():
@@ -81,17 +88,8 @@ def test_limits_validated():
 
 @pytest.fixture
 def run_workdirs(monkeypatch):
-  """The host directories of the test's runs, recorded as they are made (other workers' runs make theirs
-  in the same parent meanwhile)."""
-  dirs = []
-  make = sandbox._new_workdir
-
-  def record():
-    dirs.append(make())
-    return dirs[-1]
-
-  monkeypatch.setattr(sandbox, "_new_workdir", record)
-  return dirs
+  """The host directories behind the test's runs' roots."""
+  return _record(monkeypatch, "_new_workdir")
 
 
 @pytest.mark.parametrize("mode", MODES)
