@@ -102,7 +102,11 @@ def _known_knobs(data: dict[str, Any]) -> dict[str, Any]:
 def model_generation_defaults(model_path: str | None, prompt_text: str | None = None) -> dict[str, Any]:
   """GenerationConfig knobs a model directory recommends (generation_config.json, dinfer-jax keys only),
   with the first matching prompt rule applied when `prompt_text` is given."""
-  data = read_generation_file(model_path)
+  return generation_knobs(read_generation_file(model_path), prompt_text)
+
+
+def generation_knobs(data: dict[str, Any], prompt_text: str | None = None) -> dict[str, Any]:
+  """model_generation_defaults for a generation_config.json already read (or about to be written)."""
   knobs = _known_knobs(data)
   if prompt_text is not None:
     for rule in data.get(PROMPT_RULES, []):

@@ -38,7 +38,7 @@ def main(args) -> int:
   import dataclasses
   import jax
   import dinfer_jax
-  from dinfer_jax.cli_common import read_generation_file
+  from dinfer_jax.cli_common import PROMPT_RULES, generation_knobs, read_generation_file
   from train_td import collect, evaluate, export, tasks as tasks_lib, td_train
   tasks = [t for t in args.tasks.split(",") if t]
   for t in tasks:
@@ -54,9 +54,11 @@ def main(args) -> int:
   base = dinfer_jax.load(args.base)
   gen = read_generation_file(base.path)
   if args.threshold is not None:
-    # validated as GenerationConfig validates it, before any work
-    dinfer_jax.GenerationConfig(threshold=args.threshold)
     gen = dict(gen, threshold=args.threshold)
+    # Refused before any work if the settings it makes are invalid (e.g. the base's low_threshold above
+    # it): the file's defaults and each prompt rule applied to them.
+    for prefix in [None] + [r.get("prefix", "") for r in gen.get(PROMPT_RULES, [])]:
+      dinfer_jax.GenerationConfig(**generation_knobs(gen, prefix))
   t0 = time.time()
   stages = {}
   dirs = []

@@ -5,6 +5,7 @@ import itertools
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -244,6 +245,13 @@ def test_distill_refuses_an_existing_out_before_any_work(tiny_model_dir, tmp_pat
   assert "--task-weights" in capsys.readouterr().err and not (tmp_path / "w").exists()
   assert _distill(tiny_model_dir, tmp_path, tmp_path / "new", "--threshold", "1.5") == 2
   assert "threshold" in capsys.readouterr().err and not (tmp_path / "w").exists()
+  # A threshold that is valid alone but not with the base's other settings: hierarchy's low_threshold 0.6.
+  hier = tmp_path / "hier_base"
+  shutil.copytree(tiny_model_dir, hier)
+  gen = json.loads((hier / "generation_config.json").read_text())
+  (hier / "generation_config.json").write_text(json.dumps(dict(gen, decoder="hierarchy", low_threshold=0.6)))
+  assert _distill(hier, tmp_path, tmp_path / "new", "--threshold", "0.5") == 2
+  assert "low_threshold" in capsys.readouterr().err and not (tmp_path / "w").exists()
 
 
 @pytest.mark.slow  # collect + 2 TD steps + export, twice: -m slow
