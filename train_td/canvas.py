@@ -1,7 +1,8 @@
 """Does the answer depend on the canvas? Held-out accuracy, TPF and forwards per canvas length.
 
-  python -m train_td.canvas --model default --task arithmetic,program,add,split --n 400 --seed 7 \
-      --gen-lengths 8,16,32,64 [--block-lengths 8] --md train_td/canvas.md
+  python -m train_td.canvas --model default --task arithmetic,program,add,split \
+      --n arithmetic=400,program=433,add=400,split=200 --seed 7 --gen-lengths 8,16,32,64 [--block-lengths 8] \
+      --md train_td/canvas.md
 
 A user who asks for more room (`--max-new-tokens 64`, or gen_length 64) gets a longer canvas of masks after
 the answer; a model trained on one canvas length may answer differently on another. Every other knob is the
@@ -17,6 +18,7 @@ import sys
 
 import dinfer_jax
 from train_td import data as data_lib
+from train_td import distill
 from train_td import evaluate
 from train_td import tasks as tasks_lib
 
@@ -71,17 +73,23 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m train_td.canvas", description=__doc__.split("\n\n")[0])
   p.add_argument("--model", default="default")
   p.add_argument("--task", default="arithmetic,program,add,split")
-  p.add_argument("--n", type=int, default=400)
+  p.add_argument("--n", default="400", help="held-out problems per task: N, or TASK=N,... (e.g. program=433, "
+                 "every held-out program function)")
   p.add_argument("--seed", type=int, default=7)
   p.add_argument("--batch", type=int, default=100)
   p.add_argument("--gen-lengths", type=_ints, default=(8, 16, 32, 64))
   p.add_argument("--block-lengths", type=_ints, default=(8,))
   p.add_argument("--md", default=None, help="write the table here")
   args = p.parse_args(argv)
+  tasks = [t for t in args.task.split(",") if t]
+  try:
+    counts = {t: int(args.n) for t in tasks} if args.n.isdigit() else distill.parse_counts(args.n, tasks)
+  except ValueError as e:
+    p.error(str(e))
   model = dinfer_jax.load(args.model)
   rows = []
-  for task in [t for t in args.task.split(",") if t]:
-    rows += sweep(model, task, args.n, args.seed, args.gen_lengths, args.block_lengths, args.batch,
+  for task in tasks:
+    rows += sweep(model, task, counts[task], args.seed, args.gen_lengths, args.block_lengths, args.batch,
                   progress=lambda r: print(f"{r['task']} gen {r['gen_length']} block {r['block_length']}: "
                                            f"accuracy {r['accuracy']:.4f} TPF {r['mean_tpf']:.2f} "
                                            f"NFE {r['mean_nfe']:.2f}", flush=True))

@@ -80,19 +80,26 @@ def sample_mask(rng: jax.Array, answer: jax.Array, eps: float = 1e-3) -> tuple[j
   return t, masked
 
 
-def sample_block_cut(rng: jax.Array, answer: jax.Array, prob: float) -> jax.Array:
+BLOCK_CUT_SPANS = ("canvas", "task")
+
+
+def sample_block_cut(rng: jax.Array, answer: jax.Array, prob: float,
+                     span: jax.Array | None = None) -> jax.Array:
   """[B, T] bool: with probability `prob` per row, every answer position from a cut drawn uniformly over
-  the row's answer region onwards (else nothing).
+  the first `span` [B] positions of the row's answer region (default: all of it) onwards (else nothing).
 
   Block-wise decoding shows the model a canvas whose later blocks are still all masked while the current
   one fills; independent masking at ratio t almost never does on a long canvas (56 masked positions
   after an 8-token answer need t close to 1), so a model trained only that way changes its answer when the
-  canvas grows.
+  canvas grows. A cut drawn over a 64-token canvas still lands in the first 8 positions, where an 8-token
+  answer is decoded, only one time in 8; `span` = the task's own region puts every cut there.
   """
   k_on, k_cut = jax.random.split(rng)
   B = answer.shape[0]
   region = jnp.cumsum(answer, axis=-1) - 1  # index within the answer region; -1 before it
   n = answer.sum(-1)
+  if span is not None:
+    n = jnp.minimum(n, span.astype(n.dtype))
   cut = jnp.floor(jax.random.uniform(k_cut, (B,)) * n).astype(jnp.int32)
   on = jax.random.uniform(k_on, (B,)) < prob
   return answer & on[:, None] & (region >= cut[:, None])
@@ -100,19 +107,21 @@ def sample_block_cut(rng: jax.Array, answer: jax.Array, prob: float) -> jax.Arra
 
 def masked_diffusion_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConfig, mask_id: int,
                           eps: float = 1e-3, moe_impl: str | None = "dense", remat: bool = False,
-                          block_prob: float = 0.0) -> tuple[jax.Array, dict]:
+                          block_prob: float = 0.0, block_cut_span: str = "canvas") -> tuple[jax.Array, dict]:
   """LLaDA's masked-diffusion SFT loss on a batch (prompt never masked, answer + EOS padding masked with
   probability t, CE on masked positions weighted 1/t, normalised by the answer length, batch mean).
 
   block_prob: the share of rows that also mask everything after a random cut (sample_block_cut). The
   batch may carry norm_len [B] (train_td.data with canvases): the length a row's loss is normalised by
-  in place of its answer region's.
+  in place of its answer region's. block_cut_span: where the cut is drawn, "canvas" (the whole answer
+  region) or "task" (its first norm_len positions, the task's own region; see sample_block_cut).
   """
   tokens, answer = batch["tokens"], batch["answer"]
   t, masked = sample_mask(rng, answer, eps)
   forced = None
   if block_prob:
-    forced = sample_block_cut(jax.random.fold_in(rng, 1), answer, block_prob)
+    span = batch.get("norm_len") if block_cut_span == "task" else None
+    forced = sample_block_cut(jax.random.fold_in(rng, 1), answer, block_prob, span)
     masked = masked | forced
   noised = jnp.where(masked, mask_id, tokens)
   logits = forward(params, cfg, noised, positions=batch["positions"], mask=batch["valid"],
@@ -135,12 +144,14 @@ def masked_diffusion_loss(params, batch: dict, rng: jax.Array, *, cfg: ModelConf
 
 def make_loss_fn(cfg: ModelConfig, *, mask_id: int | None = None, eps: float = 1e-3,
                  moe_impl: str | None = "dense", remat: bool = False, compute_dtype: str | None = None,
-                 block_prob: float = 0.0) -> LossFn:
+                 block_prob: float = 0.0, block_cut_span: str = "canvas") -> LossFn:
   """The masked-diffusion loss bound to a model config: loss_fn(params, batch, rng). remat: gradient
-  checkpointing per layer; compute_dtype: see mixed_precision; block_prob: see masked_diffusion_loss."""
+  checkpointing per layer; compute_dtype: see mixed_precision; block_prob, block_cut_span: see
+  masked_diffusion_loss."""
   return mixed_precision(functools.partial(masked_diffusion_loss, cfg=cfg,
                                            mask_id=cfg.mask_token_id if mask_id is None else mask_id, eps=eps,
-                                           moe_impl=moe_impl, remat=remat, block_prob=block_prob), compute_dtype)
+                                           moe_impl=moe_impl, remat=remat, block_prob=block_prob,
+                                           block_cut_span=block_cut_span), compute_dtype)
 
 
 # ------------------------------------------------------------------------------ trajectory distillation

@@ -84,6 +84,9 @@ class TrainConfig:
   # (train_td.objective.sample_block_cut). Together they make the answer independent of the canvas.
   canvases: tuple[tuple[int, float], ...] = ()
   block_mask_prob: float = 0.0
+  # "canvas": the cut anywhere in the answer region; "task": within the task's own region (the block an
+  # 8-token answer is decoded in), however long the canvas
+  block_cut_span: str = "canvas"
   seed: int = 0
   # start from another run's latest checkpoint, or from a model ("default" or an HF directory) of this
   # architecture: params only, fresh optimizer and schedule (fine-tuning)
@@ -118,6 +121,8 @@ class TrainConfig:
         raise ValueError(f"{name} must be a number in [0, {hi}], got {v!r}")
     if not (isinstance(self.block_mask_prob, (int, float)) and 0 <= self.block_mask_prob <= 1):
       raise ValueError(f"block_mask_prob must be a number in [0, 1], got {self.block_mask_prob!r}")
+    if self.block_cut_span not in objective.BLOCK_CUT_SPANS:
+      raise ValueError(f"block_cut_span must be one of {objective.BLOCK_CUT_SPANS}, got {self.block_cut_span!r}")
     if not isinstance(self.remat, bool):
       raise ValueError(f"remat must be a bool, got {self.remat!r}")
     if self.compute_dtype not in objective.COMPUTE_DTYPES:
@@ -227,7 +232,8 @@ def _default_step(tc: TrainConfig, mesh: jax.sharding.Mesh | None = None):
   # One compiled step per config: runs of the same config in one process (tests, resume) reuse it.
   return make_train_step(objective.make_loss_fn(tc.model_config(), eps=tc.eps_t, moe_impl=tc.moe_impl,
                                                remat=tc.remat, compute_dtype=tc.compute_dtype,
-                                               block_prob=tc.block_mask_prob),
+                                               block_prob=tc.block_mask_prob,
+                                               block_cut_span=tc.block_cut_span),
                          make_optimizer(tc), mesh=mesh, cfg=tc.model_config())
 
 

@@ -88,6 +88,38 @@ def test_block_cut_masks_a_suffix_of_the_answer():
   assert not np.asarray(objective.sample_block_cut(jax.random.PRNGKey(0), answer, 0.0)).any()
 
 
+def test_block_cut_span_keeps_every_cut_in_the_tasks_own_region():
+  # A 64-token canvas whose answer is decoded in its first 8 positions: with span 8 every cut lands
+  # there (so everything after the decoding block is masked, as at inference), and any of the 8 occurs.
+  answer = jnp.asarray(np.tile([False] * 5 + [True] * 64, (512, 1)))
+  span = jnp.full((512,), 8.0)
+  forced = np.asarray(objective.sample_block_cut(jax.random.PRNGKey(1), answer, 1.0, span))
+  cuts = np.argmax(forced, -1) - 5
+  assert set(cuts.tolist()) == set(range(8))
+  for row, cut in zip(forced, cuts):
+    assert row[5 + cut:].all() and not row[:5 + cut].any()
+  canvas = np.asarray(objective.sample_block_cut(jax.random.PRNGKey(1), answer, 1.0))
+  assert (np.argmax(canvas, -1) - 5 >= 8).mean() > 0.8  # the old draw: mostly past the answer's block
+
+
+def test_block_cut_span_is_validated_and_reaches_the_loss():
+  from train_td import trainer
+  with pytest.raises(ValueError, match="block_cut_span"):
+    trainer.TrainConfig(block_cut_span="answer")
+  tc = trainer.TrainConfig(d_model=32, n_layers=1, n_heads=2, n_experts=2, n_experts_per_tok=1,
+                           expert_ffn_dim=32, max_position=128, batch_size=8, canvases=((64, 1.0),),
+                           mix=(("program", 1.0),), block_mask_prob=1.0, block_cut_span="task")
+  params, _ = trainer.init_state(tc)
+  _, batch = data_lib.get_batch(tc.data_config(), 0)
+  batch = {k: jnp.asarray(v) for k, v in batch.items()}
+  rng = jax.random.PRNGKey(3)
+  masked = {span: float(objective.make_loss_fn(tc.model_config(), block_prob=1.0, block_cut_span=span)(
+      params, batch, rng)[1]["masked_tokens"]) for span in objective.BLOCK_CUT_SPANS}
+  # Every row cut within its first 8 of 64 positions masks more of the canvas than cuts anywhere in it.
+  assert masked["task"] > masked["canvas"]
+  assert masked["task"] >= batch["tokens"].shape[0] * (64 - 7)
+
+
 def test_forced_positions_weigh_one_not_one_over_t():
   V = 4
   logits = jnp.log(jnp.full((1, 4, V), 1.0 / V, jnp.float32))
@@ -132,3 +164,11 @@ def test_canvas_table_and_spread():
   assert "| arithmetic | 1.25 |" in md
   with pytest.raises(Exception):
     canvas._ints("8,0")
+
+
+def test_canvas_counts_per_task_are_checked_before_the_model_loads(capsys):
+  from train_td import canvas
+  with pytest.raises(SystemExit) as e:
+    canvas.main(["--model", "/nonexistent", "--task", "arithmetic,program", "--n", "program=433"])
+  assert e.value.code == 2
+  assert "no count for task(s) ['arithmetic']" in capsys.readouterr().err
