@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Retrains the embedded default model (dinfer_jax/assets/default) in one command: the from-scratch run
-# (default_v7) and the four fine-tunes that made default_v13, then the export. Every stage resumes: run the
+# (default_v7) and the five fine-tunes that made default_v14, then the export. Every stage resumes: run the
 # command again after an interruption and a finished stage is restored at its last step, not retrained.
 # train_td/README.md ("The shipped model") has what each stage adds and its wall time.
 #
@@ -41,4 +41,11 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -m train_td train "$WORK/ft_v13" --init-from "$WORK/ft_v12" --max-position 128 --steps 300 \
     --batch-size 128 --lr 1.5e-4 --warmup-steps 20 --mix arithmetic=0.35,program=0.4,add=0.05,split=0.2 \
     --canvases 8=0.3,16=0.1,32=0.15,64=0.45 --block-mask-prob 0.2 --ckpt-every 100 --log-every 20 --seed 4
-"$PY" -m train_td export "$WORK/ft_v13" --out "$OUT" --overwrite
+# Every block cut drawn within the task's own region (the block a short answer is decoded in) however long
+# the canvas, on 60% of rows: the state of a short answer's first forward on a 64-position canvas (all of it
+# masked), which a cut anywhere in 64 positions gave one row in eight. Program answers at 64 as at 8.
+"$PY" -m train_td train "$WORK/ft_v14" --init-from "$WORK/ft_v13" --max-position 128 --steps 400 \
+    --batch-size 128 --lr 1.5e-4 --warmup-steps 20 --mix arithmetic=0.3,program=0.5,add=0.05,split=0.15 \
+    --canvases 8=0.3,16=0.1,32=0.1,64=0.5 --block-mask-prob 0.6 --block-cut-span task --ckpt-every 100 \
+    --log-every 20 --seed 5
+"$PY" -m train_td export "$WORK/ft_v14" --out "$OUT" --overwrite

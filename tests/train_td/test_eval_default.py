@@ -14,16 +14,16 @@ from train_td import export as export_lib
 pytestmark = pytest.mark.skipif(not (api.DEFAULT_MODEL_DIR / "config.json").exists(),
                                 reason="the default model is not installed")
 
-# Measured on the shipped weights (default_v13, 2026-12-05; seed 0, threshold 0.9, dual cache, the model's
-# generation_config.json): 192/200 held-out arithmetic problems, 39/50 program problems (the first 50 draws
-# hold more of the small families, so fewer than on the full set), 96/100 long additions.
+# Measured on the shipped weights (default_v14, 2026-12-06; seed 0, threshold 0.9, dual cache, the model's
+# generation_config.json): 192/200 held-out arithmetic problems, 38/50 program problems (the first 50 draws
+# hold more of the small families, so fewer than on the full set), 97/100 long additions.
 # The tests allow a margin below that for other CPUs' float rounding.
 ARITHMETIC_ACC_200 = 0.96
-PROGRAM_ACC_50 = 0.78
-ADD_ACC_100 = 0.96
-# default_v13's last fine-tune mix (train_td/retrain_default.sh): its export wrote the long-addition prompt
+PROGRAM_ACC_50 = 0.76
+ADD_ACC_100 = 0.97
+# default_v14's last fine-tune mix (train_td/retrain_default.sh): its export wrote the long-addition prompt
 # rule and the trained tasks.
-SHIPPED_MIX = (("arithmetic", 0.35), ("program", 0.4), ("add", 0.05), ("split", 0.2))
+SHIPPED_MIX = (("arithmetic", 0.3), ("program", 0.5), ("add", 0.05), ("split", 0.15))
 
 
 @pytest.fixture(scope="module")

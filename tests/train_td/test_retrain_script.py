@@ -33,7 +33,7 @@ def test_every_stage_parses_and_chains():
   parser = cli.build_parser()
   trains = [parser.parse_args(c) for c in cmds if c[0] == "train"]
   export = parser.parse_args(cmds[-1])
-  assert [c[0] for c in cmds] == ["train"] * len(trains) + ["export"] and len(trains) == 5
+  assert [c[0] for c in cmds] == ["train"] * len(trains) + ["export"] and len(trains) == 6
   configs = [dataclasses.replace(trainer.TrainConfig(), **cli.train_config_fields(a)) for a in trains]
   assert configs[0].init_from == ""  # from scratch
   for prev, args, tc in zip(trains, trains[1:], configs[1:]):
