@@ -8,7 +8,8 @@ A user who asks for more room (`--max-new-tokens 64`, or gen_length 64) gets a l
 the answer; a model trained on one canvas length may answer differently on another. Every other knob is the
 model's generation_config.json with its prompt rule for the task; a task whose answer region does not fit a
 canvas (a 26-token long sum in 8 or 16) is skipped there. The spread column is the largest accuracy
-difference between two canvases of a task.
+difference between two canvases of a task; the last column counts the problems answered with the same text on
+every canvas.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def sweep(model, task: str, n: int, seed: int, gen_lengths, block_lengths, batch
       gcfg = base.replace(gen_length=L, block_length=blk)
       r = evaluate.evaluate(model, task, n, gcfg, seed=seed, batch=batch, problems=problems)
       rows.append({"task": task, "gen_length": L, "block_length": blk, "accuracy": r["accuracy"],
-                   "correct": r["correct"], "n": r["n"], "mean_tpf": r["mean_tpf"], "mean_nfe": r["mean_nfe"]})
+                   "correct": r["correct"], "n": r["n"], "mean_tpf": r["mean_tpf"], "mean_nfe": r["mean_nfe"],
+                   "answers": list(r["answers"])})
       if progress:
         progress(rows[-1])
   return rows
@@ -56,6 +58,15 @@ def spread(rows, task: str) -> float:
   return max(acc) - min(acc) if acc else 0.0
 
 
+def same_answers(rows, task: str) -> tuple[int, int]:
+  """(problems whose answer text is the same on every canvas of `task`, problems): accuracy can match while
+  answers differ (one right answer lost at 64, another gained), so this is the stricter reading."""
+  runs = [r["answers"] for r in rows if r["task"] == task and "answers" in r]
+  if not runs:
+    return 0, 0
+  return sum(len(set(per)) == 1 for per in zip(*runs)), len(runs[0])
+
+
 def to_markdown(rows, command: str) -> str:
   out = [f"Command: `{command}`  ", f"Date: {datetime.date.today().isoformat()}; held-out problems; the model's "
          "own settings otherwise.", "", "| task | gen_length | block | accuracy | mean TPF | mean NFE |",
@@ -63,9 +74,10 @@ def to_markdown(rows, command: str) -> str:
   for r in rows:
     out.append(f"| {r['task']} | {r['gen_length']} | {r['block_length']} | {r['accuracy']:.4f} ({r['correct']}/"
                f"{r['n']}) | {r['mean_tpf']:.2f} | {r['mean_nfe']:.2f} |")
-  out += ["", "| task | accuracy spread over canvases (points) |", "|---|---|"]
+  out += ["", "| task | accuracy spread over canvases (points) | same answer on every canvas |", "|---|---|---|"]
   for task in dict.fromkeys(r["task"] for r in rows):
-    out.append(f"| {task} | {100 * spread(rows, task):.2f} |")
+    same, n = same_answers(rows, task)
+    out.append(f"| {task} | {100 * spread(rows, task):.2f} | " + (f"{same}/{n} ({same / n:.3f}) |" if n else "- |"))
   return "\n".join(out) + "\n"
 
 

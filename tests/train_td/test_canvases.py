@@ -161,7 +161,11 @@ def test_canvas_table_and_spread():
   assert abs(canvas.spread(rows, "arithmetic") - 0.0125) < 1e-12
   md = canvas.to_markdown(rows, "python -m train_td.canvas --task arithmetic")
   assert "| arithmetic | 64 | 8 | 0.9575 (383/400) |" in md
-  assert "| arithmetic | 1.25 |" in md
+  assert "| arithmetic | 1.25 | - |" in md  # rows without answers: nothing to compare
+  for r, answers in zip(rows, (["1", "2", "3"], ["1", "2", "4"], ["1", "5", "3"])):
+    r["answers"] = answers
+  assert canvas.same_answers(rows, "arithmetic") == (1, 3)  # only the first problem never changes
+  assert "| arithmetic | 1.25 | 1/3 (0.333) |" in canvas.to_markdown(rows, "cmd")
   with pytest.raises(Exception):
     canvas._ints("8,0")
 
