@@ -9,8 +9,8 @@ the training and export stages are single-process), the run resumes from its las
 decoded with the base model's own generation settings (generation_config.json and its prompt rules), the
 setting the TD model is then evaluated at; the export ships the same generation_config.json, so base and TD
 decode identically unless told otherwise (`--threshold`: a TD model commits several tokens per forward, and a
-stricter threshold buys back the answers it mixes; the shipped default-td decodes at 0.95, its base at 0.9).
-The flags' defaults are the shipped default-td's recipe, except --threshold (default: the base's).
+stricter threshold buys back the answers it mixes; the shipped default-td decodes at its base's 0.9).
+The flags' defaults are the shipped default-td's recipe.
 """
 from __future__ import annotations
 
