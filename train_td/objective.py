@@ -148,6 +148,8 @@ def make_loss_fn(cfg: ModelConfig, *, mask_id: int | None = None, eps: float = 1
   """The masked-diffusion loss bound to a model config: loss_fn(params, batch, rng). remat: gradient
   checkpointing per layer; compute_dtype: see mixed_precision; block_prob, block_cut_span: see
   masked_diffusion_loss."""
+  if block_cut_span not in BLOCK_CUT_SPANS:  # else a misspelt span would silently train as "canvas"
+    raise ValueError(f"block_cut_span must be one of {BLOCK_CUT_SPANS}, got {block_cut_span!r}")
   return mixed_precision(functools.partial(masked_diffusion_loss, cfg=cfg,
                                            mask_id=cfg.mask_token_id if mask_id is None else mask_id, eps=eps,
                                            moe_impl=moe_impl, remat=remat, block_prob=block_prob,

@@ -106,6 +106,8 @@ def test_block_cut_span_is_validated_and_reaches_the_loss():
   from train_td import trainer
   with pytest.raises(ValueError, match="block_cut_span"):
     trainer.TrainConfig(block_cut_span="answer")
+  with pytest.raises(ValueError, match="block_cut_span"):
+    objective.make_loss_fn(trainer.TrainConfig().model_config(), block_cut_span="Task")
   tc = trainer.TrainConfig(d_model=32, n_layers=1, n_heads=2, n_experts=2, n_experts_per_tok=1,
                            expert_ffn_dim=32, max_position=128, batch_size=8, canvases=((64, 1.0),),
                            mix=(("program", 1.0),), block_mask_prob=1.0, block_cut_span="task")
