@@ -16,6 +16,9 @@ also charges (../reference/gpu_roofline.md has the measurements and the audit th
   128, 1.6x the routed work) and launches ceil(M / tile) x ceil(N / tile) x G blocks, most of which find no
   rows and exit (their launch is not free: ~1 us per resident wave); this project's kernel
   (model/grouped_gemm.py) launches only the blocks balanced routing fills, and is charged its own tiles;
+- 8-bit products (W8A8: both operands int8 or FP8) run on the 8-bit tensor cores at twice the bf16 rate (the
+  H200's spec: 1979 vs 989 TFLOP/s dense); charged at twice the measured bf16 rate, 1580 TFLOP/s (not measured
+  on the box: the GPU check's GEMM probe would tell);
 - the embedding gather: XLA's cost analysis charges a gather the whole operand (the 644 MB table for 64 rows);
   a gather reads the rows it looks up. Likewise an in-place scatter (the cached forward's K/V write) is charged
   its whole buffer read and written; it touches the slots it writes.
@@ -39,6 +42,7 @@ class Charges:
   """Per-chip costs of the realistic model. Defaults: the H200 (measured peaks, gpu_roofline.md)."""
   hbm_bytes_per_s: float = 4.3e12
   bf16_flops: float = 790e12
+  eight_bit_flops: float = 1580e12  # FP8 / int8 x 8-bit operands (2x bf16, as the spec; not measured)
   kernel_us: float = 2.5  # a kernel (or a CUDA graph) launched on its own
   graph_kernel_us: float = 1.5  # each kernel inside a CUDA graph
   graph_min_kernels: int = 5  # XLA's xla_gpu_graph_min_graph_size
@@ -49,7 +53,8 @@ class Charges:
   resident_blocks: int = 132 * 8  # blocks in flight at once (132 SMs, 8 small blocks each)
 
   def __post_init__(self):
-    for name in ("hbm_bytes_per_s", "bf16_flops", "tile_cols", "resident_blocks", "graph_min_kernels"):
+    for name in ("hbm_bytes_per_s", "bf16_flops", "eight_bit_flops", "tile_cols", "resident_blocks",
+                 "graph_min_kernels"):
       if getattr(self, name) <= 0:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be positive")
     for name in ("kernel_us", "graph_kernel_us", "sync_us", "empty_wave_us", "tile_rows"):
@@ -58,7 +63,7 @@ class Charges:
 
 
 H200 = Charges()
-H100 = dataclasses.replace(H200, hbm_bytes_per_s=3.0e12, bf16_flops=750e12)  # ~90% / ~76% of spec, as the H200
+H100 = dataclasses.replace(H200, hbm_bytes_per_s=3.0e12, bf16_flops=750e12, eight_bit_flops=1500e12)  # ~90% / ~76% of spec, as the H200
 CHARGES = {"h200": H200, "h100": H100}
 
 # Instructions that launch nothing (views, tuples, constants) or that are control flow (counted apart).
@@ -257,11 +262,13 @@ class GroupedGemm:
   padded_flops: float = 0.0
   blocks: int = 0
   working_blocks: int = 0
+  eight_bit_flops: float = 0.0  # padded FLOPs of the calls whose rows are 8-bit (W8A8)
 
-  def add(self, t: dict[str, float]) -> None:
+  def add(self, t: dict[str, float], eight_bit: bool = False) -> None:
     self.calls += 1
     self.routed_flops += t["routed_flops"]
     self.padded_flops += t["padded_flops"]
+    self.eight_bit_flops += t["padded_flops"] if eight_bit else 0.0
     self.blocks += t["blocks"]
     self.working_blocks += t["working_blocks"]
 
@@ -310,7 +317,7 @@ def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
       if own is not None:
         t = grouped_gemm.tiles(own["M"], own["K"], own["N"], own["G"], own["n_weights"],
                                grouped_gemm.Plan(own["block_m"], own["slots"]))
-        out.add(t)
+        out.add(t, eight_bit=bool(ins) and ins[0][0] in _EIGHT_BIT)
         continue
       if len(ins) < 2 or len(ins[0][1]) != 2 or len(ins[1][1]) != 3 or not outs or len(outs[0][1]) != 2:
         continue
@@ -322,6 +329,30 @@ def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
 
 
 _EIGHT_BIT = ("s8", "u8", "f8e4m3fn", "f8e5m2")
+
+
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def eight_bit_dot_flops(mod: Module) -> float:
+  """FLOPs of the XLA GEMMs (kCustom fusions: Triton GEMMs) whose dot multiplies two 8-bit operands: the
+  W8A8 products, which run on the 8-bit tensor cores."""
+  out = 0.0
+  for comp in mod.comps.values():
+    for _, _, op, rest in comp:
+      called = _CALLS.search(rest) if (op == "fusion" and "kind=kCustom" in rest) else None
+      if not called:
+        continue
+      for _, result, iop, irest in mod.comps.get(called.group(1), []):
+        if iop != "dot":
+          continue
+        ins = mod.operands(irest)
+        if len(ins) != 2 or not all(dt in _EIGHT_BIT for dt, _ in ins):
+          continue
+        c = _CONTRACT.search(irest)
+        k = np.prod([ins[0][1][int(d)] for d in c.group(1).split(",") if d]) if c else 1
+        out += 2.0 * float(np.prod(arrays(result)[0][1])) * float(k)
+  return out
 
 
 def dequantized_copies(mod: Module) -> float:
@@ -402,10 +433,12 @@ def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, 
   gg = grouped_gemms(mod, ch)
   moved = cost["bytes"] - gather_overcount(mod) - scatter_overcount(mod)
   flops = cost["flops"] + (gg.padded_flops - gg.routed_flops)
-  body_s = max(moved / ch.hbm_bytes_per_s, flops / ch.bf16_flops)
+  flops8 = min(eight_bit_dot_flops(mod) + gg.eight_bit_flops, flops)
+  body_s = max(moved / ch.hbm_bytes_per_s, (flops - flops8) / ch.bf16_flops + flops8 / ch.eight_bit_flops)
   overhead = k.overhead_s(ch)
   empty = gg.empty_s(ch)
   return {"realistic_s": body_s + overhead + empty, "realistic_bytes": moved, "realistic_flops": flops,
+          "eight_bit_flops": flops8,
           "kernels": k.total, "graphs": k.graphs, "kernels_in_graphs": k.in_graphs, "separate_launches": k.separate,
           "kernels_by_kind": dict(k.by_kind), "kernel_overhead_s": overhead, "grouped_gemm_calls": gg.calls,
           "grouped_gemm_pad_flops": gg.padded_flops - gg.routed_flops, "grouped_gemm_empty_s": empty,

@@ -103,6 +103,21 @@ ENTRY %main (b: bf16[1,1280,16,128], i: s32[96,2], u: bf16[96,16,128]) -> bf16[1
   assert realistic.scatter_overcount(realistic.Module(text)) == 2 * buf - (upd + idx)
 
 
+def _gemm(name: str, x: str, x_dt: str, w: str, w_dt: str, M: int, K: int, N: int) -> str:
+  """A GEMM fusion's computation as XLA prints it: x [M, K] times w [K, N] -> f32 [M, N]; a w of another type
+  than x is converted to x's in the operand load (names are unique across a module)."""
+  conv = w_dt != x_dt
+  rhs = f"%{w}c" if conv else f"%{w}"
+  return "\n".join([
+      f"%{name} ({x}: {x_dt}[{M},{K}], {w}: {w_dt}[{K},{N}]) -> f32[{M},{N}] {{",
+      f"  %{x} = {x_dt}[{M},{K}]{{1,0}} parameter(0)",
+      f"  %{w} = {w_dt}[{K},{N}]{{1,0}} parameter(1)",
+      *([f"  %{w}c = {x_dt}[{K},{N}]{{1,0}} convert(%{w})"] if conv else []),
+      f"  ROOT %{name}_dot = f32[{M},{N}]{{1,0}} dot(%{x}, {rhs}), lhs_contracting_dims={{1}}, "
+      "rhs_contracting_dims={0}",
+      "}"])
+
+
 def test_dequantized_weight_copies_are_found():
   # The two shapes the H200 compile gives an int8 GEMM: qwix's dequantise-then-dot writes a bf16 copy of the
   # weight (loop fusion of s8 and its scales), the output-scaled form converts inside the GEMM fusion.
@@ -115,12 +130,7 @@ def test_dequantized_weight_copies_are_found():
   ROOT %m = bf16[2048,1024]{1,0} multiply(%c, %c)
 }
 
-%gemm_fusion_dot_computation (x: bf16[96,2048], q: s8[2048,1024]) -> f32[96,1024] {
-  %x = bf16[96,2048]{1,0} parameter(0)
-  %q = s8[2048,1024]{1,0} parameter(1)
-  %c = bf16[2048,1024]{1,0} convert(%q)
-  ROOT %d = f32[96,1024]{1,0} dot(%x, %c), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-}
+""" + _gemm("gemm_fusion_dot_computation", "x", "bf16", "q", "s8", 96, 2048, 1024) + """
 
 ENTRY %main (x: bf16[96,2048], q: s8[2048,1024], s: f32[1,1024]) -> f32[96,1024] {
   %x = bf16[96,2048]{1,0} parameter(0)
@@ -133,6 +143,37 @@ ENTRY %main (x: bf16[96,2048], q: s8[2048,1024], s: f32[1,1024]) -> f32[96,1024]
 """
   assert realistic.dequantized_copies(realistic.Module(text)) == 2048 * 1024 * 2
   assert realistic.dequantized_copies(realistic.Module(_MODULE)) == 0
+
+
+def test_eight_bit_products_are_charged_at_the_eight_bit_rate():
+  """W8A8: a GEMM fusion whose dot multiplies two FP8 operands runs at the 8-bit rate; one that converts the
+  8-bit weight to bf16 in its load (weight-only) at the bf16 rate. Worked by hand: a compute-bound module."""
+  text = """HloModule w8a8
+
+""" + _gemm("gemm8", "p0", "f8e4m3fn", "p1", "f8e4m3fn", 1280, 2048, 1024) + """
+
+""" + _gemm("gemm16", "p2", "bf16", "p3", "f8e4m3fn", 1280, 2048, 1024) + """
+
+ENTRY %main (x8: f8e4m3fn[1280,2048], x: bf16[1280,2048], q: f8e4m3fn[2048,1024]) -> f32[1280,1024] {
+  %x8 = f8e4m3fn[1280,2048]{1,0} parameter(0)
+  %x = bf16[1280,2048]{1,0} parameter(1)
+  %q = f8e4m3fn[2048,1024]{1,0} parameter(2)
+  %a = f32[1280,1024]{1,0} fusion(%x8, %q), kind=kCustom, calls=%gemm8
+  ROOT %b = f32[1280,1024]{1,0} fusion(%x, %q), kind=kCustom, calls=%gemm16
+}
+"""
+  mod = realistic.Module(text)
+  one = 2.0 * 1280 * 2048 * 1024
+  assert realistic.eight_bit_dot_flops(mod) == one
+  ch = realistic.H200
+  t = realistic.forward_time({"bytes": 1e6, "flops": 2 * one}, mod, ch)
+  assert t["eight_bit_flops"] == one
+  assert t["realistic_s"] == pytest.approx(one / 790e12 + one / 1580e12 + realistic.kernels(mod, ch).overhead_s(ch))
+  # The project's grouped GEMM kernel with 8-bit rows: its padded tile FLOPs are the 8-bit ones.
+  g = realistic.GroupedGemm()
+  g.add({"routed_flops": 10.0, "padded_flops": 16.0, "blocks": 1, "working_blocks": 1}, eight_bit=True)
+  g.add({"routed_flops": 10.0, "padded_flops": 12.0, "blocks": 1, "working_blocks": 1})
+  assert (g.padded_flops, g.eight_bit_flops) == (28.0, 16.0)
 
 
 def test_grouped_gemm_tiles_at_the_batch1_refresh():
