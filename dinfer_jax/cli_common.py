@@ -15,8 +15,24 @@ from typing import Any, Iterator, Sequence
 from dinfer_jax.engine.config import GenerationConfig
 
 DTYPES = ("float32", "bfloat16")
-# Weight formats a model can be quantised to on load (model/quant.py: QuantConfig.parse).
+# Weight formats a model can be quantised to on load (model/quant.py: QuantConfig.parse); the per-channel
+# ones also take "+embed" (the embedding table too) and "+a8" / "+a8:N" (dynamic 8-bit activations from N
+# tokens per forward), e.g. "fp8+head+embed+a8".
 QUANTIZE_CHOICES = ("int8", "fp8", "int8-block", "fp8-block", "int8+head", "fp8+head")
+_BASES = ("int8", "fp8", "int8-block", "fp8-block", "int8-channel", "fp8-channel")
+
+
+def quantize_spec(s: str) -> str:
+  """argparse type of --quantize / --weights entries: a base format with model/quant.py's options."""
+  from dinfer_jax.model import quant
+  try:
+    ok = s.lower().split("+")[0] in _BASES and quant.QuantConfig.parse(s) is not None
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  if not ok:
+    raise argparse.ArgumentTypeError(f"{s!r}: choose from {', '.join(QUANTIZE_CHOICES)} (per-channel ones with "
+                                     "+head, +embed, +a8 or +a8:N)")
+  return s
 
 
 def add_model_flags(ap: argparse.ArgumentParser, *, dtype: bool = True) -> None:
@@ -26,7 +42,7 @@ def add_model_flags(ap: argparse.ArgumentParser, *, dtype: bool = True) -> None:
                        "default: %(default)s")
   if dtype:
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
-    ap.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES,
+    ap.add_argument("--quantize", default=None, type=quantize_spec, metavar="|".join(QUANTIZE_CHOICES[:2]) + "|...",
                     help="8-bit matmul weights, quantised on load (an 8-bit checkpoint loads as stored without it)")
 
 

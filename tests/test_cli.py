@@ -68,4 +68,7 @@ def test_generate_quantize_flag(capsys):
   assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["answer"] == "627"
   with pytest.raises(SystemExit):
     cli.main(["generate", "--quantize", "int4", "What is 1+2?"])
-  assert "invalid choice: 'int4'" in capsys.readouterr().err
+  assert "--quantize: 'int4': choose from int8, fp8" in capsys.readouterr().err
+  with pytest.raises(SystemExit):  # the options need per-channel scales
+    cli.main(["generate", "--quantize", "fp8-block+a8", "What is 1+2?"])
+  assert "per-channel" in capsys.readouterr().err

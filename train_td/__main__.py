@@ -248,7 +248,7 @@ def cmd_export(args) -> int:
 
 
 def _add_eval(sub):
-  from dinfer_jax.cli_common import DTYPES, QUANTIZE_CHOICES, add_generation_flags
+  from dinfer_jax.cli_common import DTYPES, QUANTIZE_CHOICES, add_generation_flags, quantize_spec
   p = sub.add_parser("eval", help="accuracy, TPF and NFE on held-out problems")
   p.add_argument("--model", default="default", help="model directory or name; several comma-separated are "
                  "compared with the same generation settings (the first model's generation_config.json)")
@@ -257,7 +257,7 @@ def _add_eval(sub):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--batch", type=_positive_int, default=64, help="problems per generate call")
   p.add_argument("--dtype", default="float32", choices=DTYPES)
-  p.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES,
+  p.add_argument("--quantize", default=None, type=quantize_spec, metavar="|".join(QUANTIZE_CHOICES[:2]) + "|...",
                  help="quantise the weights on load (dinfer_jax.load(quantize=...); model/quant.py)")
   p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
   p.add_argument("--show", type=int, default=0, help="print the first N problems with answers")

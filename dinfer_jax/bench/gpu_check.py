@@ -434,8 +434,9 @@ def main(argv=None) -> int:
   ap.add_argument("--compile-cache", default=os.environ.get("DINFER_JAX_GPU_CHECK_CACHE", "/tmp/dinfer_jax_gpu_cc"),
                   help="persistent compilation cache (a rerun skips the compiles); '' to disable")
   ap.add_argument("--weights", default="bf16",
-                  help="comma list of weight formats to measure: bf16 (every item), int8, fp8, int8-block, fp8-block "
-                       "(batch-1 forwards and generate, then batch 8; a second 6-minute run: --weights fp8,int8)")
+                  help="comma list of weight formats to measure: bf16 (every item), int8, fp8, int8-block, fp8-block, "
+                       "per-channel ones with +head/+embed/+a8 (batch-1 forwards and generate, then batch 8; a "
+                       "second 6-minute run: --weights fp8,int8 or fp8+head+embed+a8)")
   ap.add_argument("--moe-impl", default="auto", choices=MOE_IMPLS,
                   help="the MoE kernels of every item (default: the engine's choice, on GPU the project's grouped "
                        "kernels; dense for a rerun in the same slot should they fail on the box)")
@@ -450,8 +451,9 @@ def main(argv=None) -> int:
   if not set(args.batches) <= {1, 8} or 1 not in args.batches:
     raise SystemExit(f"--batches {args.batches}: expected 1 or 1,8")
   args.weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+  from dinfer_jax.bench.roofline import _valid_spec
   from dinfer_jax.cli_common import QUANTIZE_CHOICES
-  bad = [w for w in args.weights if w != "bf16" and w not in QUANTIZE_CHOICES]
+  bad = [w for w in args.weights if w != "bf16" and not _valid_spec(w)]
   if bad or not args.weights:
     raise SystemExit(f"--weights {bad}: choose from bf16, {', '.join(QUANTIZE_CHOICES)}")
   if args.predicted is None:

@@ -42,7 +42,7 @@ from dinfer_jax.bench import presets
 from dinfer_jax.bench import realistic
 from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward
 from dinfer_jax.bench.throughput import cached_kind, forward_programs
-from dinfer_jax.cli_common import QUANTIZE_CHOICES
+from dinfer_jax.cli_common import QUANTIZE_CHOICES, quantize_spec
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine import iteration
 from dinfer_jax.engine import loop
@@ -306,10 +306,11 @@ def generation_config(preset: presets.Preset, cache: str, setting: str = "dinfer
   return gcfg
 
 
-def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype) -> dict[str, tuple[Any, tuple]]:
+def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype, table=None) -> dict[str, tuple[Any, tuple]]:
   """The work of a loop iteration outside its forward, per forward kind: the decoder on the block's logits
   and, with smoothing, the soft embeddings of the positions the forward saw (the whole canvas after a
-  refresh, the window after a cached forward): f(table, logits, canvas, ...) as the loop runs them."""
+  refresh, the window after a cached forward): f(table, logits, canvas, ...) as the loop runs them. table:
+  the abstract embedding table as the engine holds it (an 8-bit QArray with +embed; default [V, D] dtype)."""
   grid = lay.grid
   B, L, Tc, W, V, D = grid.batch, grid.block_len, grid.canvas_len, grid.window, cfg.vocab_size, cfg.d_model
   decoder, mask_id = static["decoder"], static["mask_id"]
@@ -331,7 +332,8 @@ def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype) -> dict[st
         res["emb"] = iteration.soft_embed(table, toks, logits, toks == mask_id,
                                           iteration.smooth_weight(n, gcfg.cont_weight))
       return res
-    args = (jax.ShapeDtypeStruct((V, D), dtype), jax.ShapeDtypeStruct((B, width, V), jnp.float32),
+    args = (jax.ShapeDtypeStruct((V, D), dtype) if table is None else table,
+            jax.ShapeDtypeStruct((B, width, V), jnp.float32),
             jax.ShapeDtypeStruct((B, width), jnp.int32), jax.ShapeDtypeStruct((B, L), jnp.bool_),
             jax.ShapeDtypeStruct((B,), jnp.int32), jax.random.PRNGKey(0))
     out[kind] = (f, args)
@@ -362,6 +364,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   lay, static = gen_lib.prepare(cfg, _prompts(cfg, batch, preset.prompt_length), gcfg)
   grid = lay.grid
   aparams = target.abstract(abstract_inference_params(cfg, dtype, weights))
+  table = aparams["embed"] if quant.is_qarray(aparams["embed"]) else None
   dbytes = jnp.dtype(dtype).itemsize
   qc = quant.QuantConfig.parse(weights)
   qbytes = None if qc is None else 1
@@ -369,7 +372,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   L, Tc, W = grid.block_len, grid.canvas_len, grid.window
   rows = []
   steps = {}
-  for kind, (f, args) in step_programs(cfg, gcfg, lay, static, dtype=dtype).items():
+  for kind, (f, args) in step_programs(cfg, gcfg, lay, static, dtype=dtype, table=table).items():
     compiled, _ = target.compile(f, *target.abstract(args))
     text = compiled_text(compiled)
     steps[kind] = realistic.forward_time(ModuleCost(text).total(), realistic.Module(text), charges)
@@ -595,6 +598,13 @@ def markdown(res: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
+def _valid_spec(w: str) -> bool:
+  try:
+    return bool(quantize_spec(w))
+  except argparse.ArgumentTypeError:
+    return False
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--preset", default="llada_moe_7b_a1b", choices=sorted(presets.PRESETS))
@@ -629,9 +639,10 @@ def main(argv=None) -> int:
   if bad:
     raise SystemExit(f"--caches: unknown {bad}; choose from none, prefix, dual")
   weights = tuple(w.strip() for w in args.weights.split(",") if w.strip())
-  bad = [w for w in weights if w != "bf16" and w not in QUANTIZE_CHOICES]
+  bad = [w for w in weights if w != "bf16" and not _valid_spec(w)]
   if bad or not weights:
-    raise SystemExit(f"--weights: unknown {bad}; choose from bf16, {', '.join(QUANTIZE_CHOICES)}")
+    raise SystemExit(f"--weights: unknown {bad}; choose from bf16, {', '.join(QUANTIZE_CHOICES)} (per-channel "
+                     "ones with +head, +embed, +a8 or +a8:N)")
   target = args.target or ("cuda" if cuda_plugin_available() else "cpu")
   try:
     res = run(args.preset, chips, batches, caches, target, args.tpf, with_generate=not args.no_generate,

@@ -46,7 +46,11 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
   dtype = norm_dtype(dtype)
   from dinfer_jax.model import quant
   ck = HFCheckpoint(src, nonfinite="warn" if allow_nonfinite else "error")
-  qc = ck.check_quantize(quant.QuantConfig.parse(quantize))  # an FP8 source stays as it is
+  qc = quant.QuantConfig.parse(quantize)
+  if qc is not None and qc.runtime_only:
+    raise CheckpointError(f"quantize {quantize!r}: 8-bit activations (+a8) and the 8-bit embedding table (+embed) "
+                          "are chosen when a model is loaded (dinfer_jax.load(quantize=...)), not stored")
+  qc = ck.check_quantize(qc)  # an FP8 source stays as it is
   out = save_converted(dst, ck.lazy_params(dtype, qc), ck.raw_config, src_dir_for_tokenizer=src, layout=ck.layout,
                        overwrite=overwrite, source_dtype=ck.source_dtype, sources=[src],
                        replace_unmarked=replace_unmarked, quantization=qc.to_dict() if qc else None)

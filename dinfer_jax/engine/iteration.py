@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dinfer_jax.model import quant
+
 from dinfer_jax.engine.config import (SMOOTH_THRESHOLD_DECAY, SMOOTH_WEIGHT_GROWTH, SMOOTH_WEIGHT_INIT,
                                       GenerationConfig)
 
@@ -35,12 +37,14 @@ def soft_embed(table: jax.Array, tokens: jax.Array, logits: jax.Array, masked: j
   """E[x] plus, at still-masked positions, w * softmax(z) @ E (additive: the MASK embedding keeps weight 1).
 
   Args:
-    table: [V, D] input embedding. tokens [B, W]; logits [B, W, V] fp32; masked [B, W]; weight [B].
+    table: [V, D] input embedding (plain, or 8-bit with one scale per row: model/quant.py's take_rows and
+      einsum; the row scales then multiply the probabilities). tokens [B, W]; logits [B, W, V] fp32;
+      masked [B, W]; weight [B].
   Returns: [B, W, D] in the table's dtype.
   """
-  base = jnp.take(table, tokens, axis=0)
+  base = quant.take_rows(table, tokens)
   p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  soft = jnp.einsum("BWV,VD->BWD", p.astype(table.dtype), table, preferred_element_type=jnp.float32)
+  soft = quant.einsum("BWV,VD->BWD", p.astype(table.dtype), table, preferred_element_type=jnp.float32)
   add = jnp.where(masked[..., None], weight[:, None, None] * soft, 0.0)
   return (base.astype(jnp.float32) + add).astype(table.dtype)
 

@@ -26,6 +26,7 @@ from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import iteration
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.layout import Grid
+from dinfer_jax.model import quant
 from dinfer_jax.model.layers import slice_rows, update_rows
 from dinfer_jax.model.transformer import forward
 from dinfer_jax.sharding import CACHE_AXES, CANVAS_AXES, EMBED_AXES, ROW_AXES, shard, shard_rows
@@ -141,7 +142,7 @@ def init_state(params: dict, canvas: jax.Array, valid: jax.Array, *, mcfg: Model
       "n_window": jnp.zeros((max(len(grid.windows), 1),), jnp.int32),
   }
   if gcfg.smoothing:
-    st["emb"] = jnp.take(params["embed"], canvas, axis=0)
+    st["emb"] = quant.take_rows(params["embed"], canvas)
   if mode in ("prefix", "dual", "block_diffusion"):
     # One buffer per layer: cached forwards update them in place (transformer.forward keep_cache).
     st["cache"] = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, params["embed"].dtype,

@@ -45,6 +45,7 @@ import numpy as np
 
 from dinfer_jax import decoders
 from dinfer_jax.cache import KVCache
+from dinfer_jax.model import quant
 from dinfer_jax.model.transformer import forward
 
 _forward = jax.jit(forward, static_argnames=("cfg", "logits_len", "moe_impl"))
@@ -115,8 +116,9 @@ def make_decoder(gcfg, vocab_size: int, *, independent_fixed_steps: bool = True)
 # ----------------------------------------------------------------------------- how the model and decoder run
 
 def _soft(table, tokens: np.ndarray, logits, mask_id: int, w: float) -> np.ndarray:
-  """E[x] + w * softmax(z) @ E where x is MASK, E[x] elsewhere (decoding.md §5, H2Embed, tau 1)."""
-  E = jnp.asarray(table)
+  """E[x] + w * softmax(z) @ E where x is MASK, E[x] elsewhere (decoding.md §5, H2Embed, tau 1); an 8-bit
+  table is dequantised first."""
+  E = jnp.asarray(quant.dequantize(table, table.dtype)) if quant.is_qarray(table) else jnp.asarray(table)
   base = E[jnp.asarray(tokens)]
   p = jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1)
   soft = jnp.einsum("wv,vd->wd", p.astype(E.dtype), E, preferred_element_type=jnp.float32)
@@ -141,7 +143,8 @@ class ReferenceRunner:
   independent_fixed_steps = True
 
   def embed(self, params, x: np.ndarray):
-    return np.asarray(params["embed"])[x]
+    # A writable host copy: smoothing updates it in place.
+    return np.array(quant.take_rows(params["embed"], jnp.asarray(x, jnp.int32)))
 
   def forward(self, params, cfg, tokens: np.ndarray, a: int, *, emb=None, cache=None, mask=None,
               logits_range=None):
@@ -205,7 +208,7 @@ class JitRunner:
   independent_fixed_steps = False
 
   def embed(self, params, x: np.ndarray):
-    return jnp.take(params["embed"], jnp.asarray(x, jnp.int32), axis=0)
+    return quant.take_rows(params["embed"], jnp.asarray(x, jnp.int32))
 
   def forward(self, params, cfg, tokens: np.ndarray, a: int, *, emb=None, cache=None, mask=None,
               logits_range=None):

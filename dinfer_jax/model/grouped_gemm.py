@@ -102,13 +102,14 @@ def _values_scale(w):
 
 
 def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool, block_m: int, slots: int,
-            gathered: bool, x_scaled: bool):
+            gathered: bool, x_scaled: bool, row_scaled: bool, rows_per_token: int):
   """One (slot, column tile, group) block: the group's row tiles slot, slot + slots, ..."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   x_ref, refs = refs[0], refs[1:]
   src_ref, refs = (refs[0], refs[1:]) if gathered else (None, refs)
   xs_ref, refs = (refs[0], refs[1:]) if x_scaled else (None, refs)
+  rs_ref, refs = (refs[0], refs[1:]) if row_scaled else (None, refs)
   w_refs, refs = refs[:n_weights], refs[n_weights:]
   s_refs, refs = (refs[:n_weights], refs[n_weights:]) if scaled else ((None,) * n_weights, refs)
   os_ref, refs = (refs[0], refs[1:]) if out_scaled else (None, refs)
@@ -123,21 +124,30 @@ def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool,
     start = lo + (s + i * slots) * block_m
     rows = (start + jnp.arange(block_m)) < hi
     src = src_ref[pl.ds(start, block_m)] if gathered else None
+    if gathered and rows_per_token > 1:  # (token, slot) rows in argsort's order: the token, wrapped onto x
+      src = (src // rows_per_token) % x_ref.shape[0]
 
     def k_step(kk, accs):
       ks = pl.multiple_of(kk * BLOCK_K, BLOCK_K)
       if gathered:  # each sorted row read from its token's row (every src entry is a valid row)
         a = x_ref[src, pl.ds(ks, BLOCK_K)]
       else:
-        a = plgpu.load(x_ref.at[pl.ds(start, block_m), pl.ds(ks, BLOCK_K)], mask=rows[:, None], other=0)
+        # A float fill for float x: Triton casts no integer constant to FP8.
+        a = plgpu.load(x_ref.at[pl.ds(start, block_m), pl.ds(ks, BLOCK_K)], mask=rows[:, None],
+                       other=0 if jnp.issubdtype(x_ref.dtype, jnp.integer) else 0.0)
       if x_scaled:  # in x's dtype, one rounding, as the XLA multiply it replaces
         a = a * xs_ref[pl.ds(ks, BLOCK_K)][None, :]
-      # 8-bit weights convert to the activations' dtype in the load; the scale waits for the epilogue.
-      return tuple(acc + jnp.dot(a, w[pl.ds(ks, BLOCK_K), :].astype(a.dtype), preferred_element_type=jnp.float32)
+      # 8-bit weights convert to the activations' dtype in the load (a no-op for 8-bit activations: the
+      # product then runs on 8-bit tensor cores); the scales wait for the epilogue.
+      return tuple(acc + jnp.dot(a, w[pl.ds(ks, BLOCK_K), :].astype(a.dtype), preferred_element_type=acc.dtype)
                    for acc, w in zip(accs, w_refs))
 
-    accs = jax.lax.fori_loop(0, K // BLOCK_K, k_step,
-                             tuple(jnp.zeros((block_m, bn), jnp.float32) for _ in range(n_weights)))
+    acc_dt = quant.accumulator(x_ref.dtype) if row_scaled else jnp.float32
+    accs = jax.lax.fori_loop(0, K // BLOCK_K, k_step, tuple(jnp.zeros((block_m, bn), acc_dt) for _ in range(n_weights)))
+    accs = [acc.astype(jnp.float32) for acc in accs]
+    if row_scaled:  # each row's activation scale (8-bit x), before the nonlinearity
+      rs = rs_ref[src] if gathered else plgpu.load(rs_ref.at[pl.ds(start, block_m)], mask=rows, other=0.0)
+      accs = [acc * rs[:, None] for acc in accs]
     accs = [acc if sr is None else acc * sr[...] for acc, sr in zip(accs, s_refs)]
     # fp32 epilogue: silu(gate) * up before the one rounding to the output dtype.
     out = jax.nn.silu(accs[0]) * accs[1] if swiglu else accs[0]
@@ -327,6 +337,7 @@ def group_bounds(group_of_row: jax.Array, G: int) -> tuple[jax.Array, jax.Array]
 def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Plan, *,
                    out_scale: jax.Array | None = None, rows: jax.Array | None = None,
                    routed_rows: int | None = None, x_scale: jax.Array | None = None,
+                   row_scale: jax.Array | None = None, out_dtype=None, rows_per_token: int = 1,
                    interpret: bool = False) -> jax.Array:
   """x [M + block_m, K] (rows sorted by group, pad rows last), ws one or two [G, K, N] kernels (two: gate and
   up, the result is silu(x @ gate) * (x @ up)), group g's rows [lo[g], hi[g]) (group_bounds) ->
@@ -338,6 +349,12 @@ def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Pla
   the kernel itself, so x is the unsorted [T, K] and no gathered copy is written; the result has R rows.
   x_scale [K]: multiplies x's columns as they are loaded (in x's dtype): an RMSNorm's weight, so the
   normalised rows need not be written weighted.
+  rows_per_token: with rows, each entry is a (token, slot) row number whose token is entry // rows_per_token
+  (modulo x's rows: pad entries past the last token wrap to real ones), so argsort's output over the
+  flattened [T, k] expert ids is the index as it is (no kernel to divide it).
+  row_scale [rows of x] fp32: x is 8-bit activations (quant.quantize_rows) of the weights' 8-bit type, row r
+  standing for x[r] * row_scale[r]; the product runs on the 8-bit values (int32 / fp32 accumulator). With
+  rows=, indexed like x (by token). out_dtype: the result's (default x's; needed for 8-bit x).
   routed_rows: M, the rows the plan was made for (needed with rows; else x's rows less block_m). The kernel's
   name carries it and the tile (`dinfer_grouped_{dot|swiglu}_bm{block_m}_m{M}`: bench/realistic.py reads
   them)."""
@@ -379,16 +396,28 @@ def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Pla
   x_scaled = x_scale is not None
   if x_scaled and tuple(x_scale.shape) != (K,):
     raise ValueError(f"grouped_matmul: x_scale {tuple(x_scale.shape)} is not [{K}]")
-  in_specs = ([pl.no_block_spec] + [pl.no_block_spec] * (gathered + x_scaled) + [w_spec] * len(ws) + ([s_spec] * len(ws) if scaled else [])
-              + ([s_spec] if out_scaled else []) + [g_spec, g_spec])
+  row_scaled = row_scale is not None
+  if row_scaled:
+    if x_scaled or jnp.dtype(x.dtype).itemsize != 1 or x.dtype != parts[0][0].dtype:
+      raise ValueError(f"grouped_matmul: row_scale needs x in the weights' 8-bit type (x {x.dtype}, weights "
+                       f"{parts[0][0].dtype}) and no x_scale (fold it in before quantising x)")
+    if tuple(row_scale.shape) != (x.shape[0],):
+      raise ValueError(f"grouped_matmul: row_scale {tuple(row_scale.shape)} is not [{x.shape[0]}] (one per row of x)")
+  elif jnp.dtype(x.dtype).itemsize == 1:
+    raise ValueError(f"grouped_matmul: 8-bit x ({x.dtype}) needs its row_scale")
+  out_dtype = out_dtype or x.dtype
+  in_specs = ([pl.no_block_spec] + [pl.no_block_spec] * (gathered + x_scaled + row_scaled) + [w_spec] * len(ws)
+              + ([s_spec] * len(ws) if scaled else []) + ([s_spec] if out_scaled else []) + [g_spec, g_spec])
   args = ([x] + ([rows.astype(jnp.int32)] if gathered else []) + ([x_scale.astype(x.dtype)] if x_scaled else [])
+          + ([row_scale.astype(jnp.float32)] if row_scaled else [])
           + [v for v, _ in parts] + ([s for _, s in parts] if scaled else [])
           + ([out_scale.astype(jnp.float32)] if out_scaled else []) + [lo, hi])
   kind = "swiglu" if len(ws) == 2 else "dot"
   kernel = functools.partial(_kernel, n_weights=len(ws), scaled=scaled, out_scaled=out_scaled, swiglu=len(ws) == 2,
-                             block_m=p.block_m, slots=p.slots, gathered=gathered, x_scaled=x_scaled)
+                             block_m=p.block_m, slots=p.slots, gathered=gathered, x_scaled=x_scaled,
+                             row_scaled=row_scaled, rows_per_token=rows_per_token)
   return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((Mp, N), x.dtype), in_specs=in_specs,
+      kernel, out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype), in_specs=in_specs,
       out_specs=pl.BlockSpec((Mp, bn), lambda s, j, e: (0, j)), grid=(p.slots, N // bn, G),
       interpret=interpret, name=f"{NAME}_{kind}_bm{p.block_m}_m{M}",
       compiler_params=plgpu.CompilerParams(num_warps=8 if p.block_m >= 256 else 4, num_stages=3),

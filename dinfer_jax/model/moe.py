@@ -258,14 +258,30 @@ def _ragged_xla(h, w, idx, ex, n_experts):
 
 def moe_loop_reference(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:
   """Plain reference: a Python loop over experts, each applied to the tokens routed to it (tests only);
-  quantised experts are dequantised first."""
+  quantised experts are dequantised first. With 8-bit activations (quant.act_min_tokens) each token's input
+  and each (token, expert) row's down input (after the down projection's per-input scales) are rounded
+  through quant.quantize_rows, as the grouped kernels quantise them."""
+  n_act = quant.act_min_tokens(ex["gate"])
+  a8 = n_act is not None and h.shape[0] >= n_act
+  if a8:
+    qt, down_s = ex["down"].qvalue.dtype, ex["down"].scale[..., 0]  # [E, F]
+
+    def rounded(x):
+      v, s = quant.quantize_rows(x, qt, (1,))
+      return (v.astype(jnp.float32) * s).astype(x.dtype)
+    h = rounded(h)
+    down_q = ex["down"].qvalue
   ex = quant.dequantize_params(ex, h.dtype)
   out = jnp.zeros(h.shape, jnp.float32)
   for e in range(n_experts):
     we = jnp.where(idx == e, w, 0.0).sum(-1)  # [T] this expert's weight per token (0 if not routed)
     g = h @ ex["gate"][e].astype(h.dtype)
     u = h @ ex["up"][e].astype(h.dtype)
-    y = (jax.nn.silu(g) * u) @ ex["down"][e].astype(h.dtype)
+    a = jax.nn.silu(g) * u
+    if a8:
+      y = rounded((a * down_s[e]).astype(h.dtype)) @ down_q[e].astype(h.dtype)
+    else:
+      y = a @ ex["down"][e].astype(h.dtype)
     out = out + y.astype(jnp.float32) * we[:, None]
   return out.astype(h.dtype)
 
@@ -278,18 +294,37 @@ def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
   down, fold = ex["down"], None
   if quant.is_qarray(down):  # per-(expert, F) scales: applied to the activations, in the kernel before
     fold, down = down.scale.reshape(down.shape[0], 1, down.shape[1]), down.qvalue
+  n_act = quant.act_min_tokens(ex["gate"])
+  a8 = n_act is not None and T >= n_act
+  x, x_rs = h, None
+  if a8:  # 8-bit activations: each token quantised once (after the norm weight), before its k rows are formed
+    hw = h if x_scale is None else h * x_scale.astype(h.dtype)
+    x, x_rs = quant.quantize_rows(hw, down.dtype, (1,))
+    x_rs, x_scale = x_rs[:, 0], None
+  per_token = 1
   if layout is None:
-    flat_e, order, tok = _sort_rows(idx)
+    flat_e = idx.reshape(-1)
     lo, hi = grouped_gemm.group_bounds(flat_e, n_experts)
-    # block_m pad rows (row 0 again; no group reads them) keep every tile's row slice inside x.
-    xs, rows = h[jnp.concatenate([tok, jnp.zeros((p.block_m,), tok.dtype)])], None
-  else:  # topk_align's: the gate/up kernel reads each sorted row from h itself
+    # block_m pad rows keep every tile's row slice inside the index: sentinel experts (E, after every real
+    # one) sorted with the rest, so the sort writes the padded index itself; the kernel reads each row's
+    # token as entry // k (pad entries wrap onto real tokens; no group reads them).
+    order = jnp.argsort(jnp.concatenate([flat_e, jnp.full((p.block_m,), n_experts, flat_e.dtype)]), stable=True)
+    rows, per_token = order, idx.shape[1]
+    order = order[:M]
+    tok = order // idx.shape[1]
+  else:  # topk_align's
     dest, rows, lo, hi = layout
-    xs = h
-  # x_scale (the norm weight) is applied by the kernel as it loads rows either way.
-  a = grouped_gemm.grouped_matmul(xs, (ex["gate"], ex["up"]), lo, hi, p, out_scale=fold, rows=rows,
-                                  routed_rows=M, x_scale=x_scale, interpret=interpret)
-  ys = grouped_gemm.grouped_matmul(a, (down,), lo, hi, p, routed_rows=M, interpret=interpret)
+  # The gate/up kernel reads each sorted row from x through its token index (no gathered copy of the rows is
+  # written and read back), applying x_scale (the norm weight) as it loads, or the row's 8-bit scale.
+  a = grouped_gemm.grouped_matmul(x, (ex["gate"], ex["up"]), lo, hi, p, out_scale=fold, rows=rows,
+                                  routed_rows=M, x_scale=x_scale, row_scale=x_rs, out_dtype=h.dtype,
+                                  rows_per_token=per_token, interpret=interpret)
+  a_rs = None
+  if a8:  # the down projection's input, one scale per routed row
+    a, a_rs = quant.quantize_rows(a, down.dtype, (1,))
+    a_rs = a_rs[:, 0]
+  ys = grouped_gemm.grouped_matmul(a, (down,), lo, hi, p, routed_rows=M, row_scale=a_rs, out_dtype=h.dtype,
+                                   interpret=interpret)
   if layout is None:
     y = _combine(ys[:M], w, order, tok, h)
   elif residual is not None:  # the residual add and the next norm in the same kernel as the combine

@@ -13,7 +13,12 @@ Scales (absmax calibration, symmetric, no zero point):
   head axes split out (q [D, N, H], o [N, H, D]); a block of 128 flattened (N, H) entries is a tile of
   (128 / H, H) for H <= 128 and (1, 128) for H >= 128, so a block checkpoint maps tile for tile.
 
-Activations stay in the model dtype and accumulation in fp32. qwix provides the format (QArray), the
+Activations stay in the model dtype and accumulation in fp32, unless the weights carry an activation policy
+(QuantConfig.act_min_tokens, "+a8"): then a forward of at least that many tokens quantises each product's
+input per token on the fly (quantize_rows) and multiplies two 8-bit operands (W8A8: int32 / fp32
+accumulation, both scales on the result; the 8-bit tensor cores run twice the bf16 rate). The policy is a
+static field of the weight (ActQArray), so the forward takes no extra argument. "+embed" stores the
+embedding table in 8 bits too (a scale per row). qwix provides the format (QArray), the
 quantisation and the dequantisation; tokamax's Pallas-Triton grouped GEMM takes the QArray itself and scales
 in-kernel. The XLA GEMMs (einsum below) multiply by the convert()ed 8-bit values and apply per-channel scales
 outside the product, because qwix's own weight-only einsum dequantises in front of the dot and XLA writes
@@ -47,11 +52,16 @@ _PARENTS = {"q": None, "k": None, "v": None, "o": None, "gate": ("mlp", "experts
 class QuantConfig:
   """weights: "int8" or "fp8" (e4m3); scales: "channel" or "block" (block x block tiles of [out, in]);
   lm_head: the LM head too (per vocabulary entry), at the price of 8-bit rounding in the logits the decoder
-  thresholds."""
+  thresholds. embed: the input embedding table too (one scale per row, in the table's own dtype, so the
+  model's activation dtype stays the table's): its rows are looked up and dequantised, and iteration
+  smoothing's probabilities x table product reads it in 8 bits. act_min_tokens: see DEFAULT_ACT_MIN_TOKENS
+  (None: weight-only)."""
   weights: str = "int8"
   scales: str = "channel"
   block: int = 128
   lm_head: bool = False
+  act_min_tokens: int | None = None
+  embed: bool = False
 
   def __post_init__(self):
     if self.weights not in SCHEMES:
@@ -60,6 +70,20 @@ class QuantConfig:
       raise ValueError(f"QuantConfig: scales must be one of {SCALES}, got {self.scales!r}")
     if self.block < 1:
       raise ValueError(f"QuantConfig: block must be >= 1, got {self.block}")
+    if self.act_min_tokens is not None:
+      if self.act_min_tokens < 0:
+        raise ValueError(f"QuantConfig: act_min_tokens must be >= 0, got {self.act_min_tokens}")
+      if self.scales != "channel":
+        raise ValueError("QuantConfig: 8-bit activations (act_min_tokens) need per-channel weight scales: block "
+                         "scales vary along the contracted axis, so the product cannot run in 8 bits")
+    if self.embed and self.scales != "channel":
+      raise ValueError("QuantConfig: an 8-bit embedding table (embed) takes one scale per row: per-channel "
+                       "scales only")
+
+  @property
+  def runtime_only(self) -> bool:
+    """Options chosen when a model is loaded, not stored in a converted checkpoint."""
+    return self.act_min_tokens is not None or self.embed
 
   @property
   def qtype(self):
@@ -70,8 +94,10 @@ class QuantConfig:
 
   @classmethod
   def parse(cls, spec: "QuantConfig | str | dict | None") -> "QuantConfig | None":
-    """None/"none"/"bf16" -> None; "int8", "fp8", "fp8-block", "int8-channel", "+head" for the LM head too
-    ("fp8+head"); a dict; a QuantConfig."""
+    """None/"none"/"bf16" -> None; "int8", "fp8", "fp8-block", "int8-channel", then options: "+head" for the
+    LM head too ("fp8+head"), "+embed" for the embedding table too, "+a8" for dynamic 8-bit activations in
+    forwards of at least DEFAULT_ACT_MIN_TOKENS tokens, "+a8:N" from N tokens ("fp8+head+embed+a8",
+    "int8+a8:0"); a dict; a QuantConfig."""
     if spec is None or isinstance(spec, QuantConfig):
       return spec
     if isinstance(spec, dict):
@@ -79,16 +105,37 @@ class QuantConfig:
     s = str(spec).lower()
     if s in ("none", "bf16", "bfloat16", "float32"):
       return None
-    s, plus, head = s.partition("+")
-    if plus and head != "head":
-      raise ValueError(f"quantize {spec!r}: the only '+' option is '+head' (the LM head too)")
+    s, *opts = s.split("+")
+    head, embed, act = False, False, None
+    for o in opts:
+      name, colon, n = o.partition(":")
+      if o == "head" and not head:
+        head = True
+      elif o == "embed" and not embed:
+        embed = True
+      elif name == "a8" and act is None and (not colon or n.isdigit()):
+        act = int(n) if colon else DEFAULT_ACT_MIN_TOKENS
+      else:
+        raise ValueError(f"quantize {spec!r}: unknown option '+{o}'; the options are '+head' (the LM head too), "
+                         f"'+embed' (the embedding table too) and '+a8' / '+a8:N' (8-bit activations from N "
+                         f"tokens per forward), each once")
     weights, _, scales = s.partition("-")
-    return cls(weights=weights, scales=scales or "channel", lm_head=bool(plus))
+    return cls(weights=weights, scales=scales or "channel", lm_head=head, act_min_tokens=act, embed=embed)
+
+
+# From this many tokens per forward the activations go 8-bit by default: every refresh (1280 tokens per
+# sequence on the 7B-A1B bench), where the GEMMs are compute-bound and 8-bit tensor cores run twice as fast
+# (the bench's realistic batch-1 refresh: 5.87 -> 4.81 ms; batch 8: 39.0 -> 21.3 ms). Not the cached windows:
+# at batch 1 (96 tokens, ~12 rows per expert) a forward reads weights far more than it computes, and even at
+# batch 8 (768 tokens) the quantisation's own kernels and bytes cost more than the faster products save
+# (3.97 -> 4.26 ms by the same model).
+DEFAULT_ACT_MIN_TOKENS = 1024
 
 
 def format_tag(spec: str) -> str:
-  """A weight format as a name suffix ("fp8-block" -> "fp8_block", "int8+head" -> "int8_head")."""
-  return spec.replace("-", "_").replace("+", "_")
+  """A weight format as a name suffix ("fp8-block" -> "fp8_block", "int8+head" -> "int8_head", "fp8+a8:0" ->
+  "fp8_a8_0")."""
+  return spec.replace("-", "_").replace("+", "_").replace(":", "_")
 
 
 def is_qarray(x) -> bool:
@@ -108,6 +155,8 @@ def leaf_axes(path: tuple[str, ...], ndim: int, qc: "QuantConfig | None" = None
   name = path[-1]
   if name == "lm_head" and len(path) == 1:
     return ((0,), (1,)) if (qc is not None and qc.lm_head and ndim == 2) else None
+  if name == "embed" and len(path) == 1:  # [V, D]: a row per token, the smoothing product contracts V
+    return ((1,), (0,)) if (qc is not None and qc.embed and ndim == 2) else None
   if name not in _KERNEL_AXES:
     return None
   parents = _PARENTS[name]
@@ -194,10 +243,71 @@ def with_parts(w, qvalue, scale):
   return dataclasses.replace(w, qvalue=qvalue, scale=scale)
 
 
-def make_qarray(qvalue, scale):
-  """A QArray from stored parts (a checkpoint's qvalue and fp32 scale)."""
+def make_qarray(qvalue, scale, act_min_tokens: int | None = None):
+  """A QArray from stored parts (a checkpoint's qvalue and fp32 scale); with act_min_tokens, one whose products
+  quantise their activations too (act_qarray)."""
   import qwix
-  return qwix.QArray(qvalue=qvalue, scale=scale)
+  if act_min_tokens is None:
+    return qwix.QArray(qvalue=qvalue, scale=scale)
+  return _act_class()(qvalue=qvalue, scale=scale, act_min_tokens=act_min_tokens)
+
+
+_ACT_CLASS = []
+
+
+def _act_class():
+  """qwix's QArray with a static field: the products of a weight of this class quantise their activations per
+  token (dynamic, absmax) to the weight's 8-bit type when the forward has at least act_min_tokens tokens. The
+  policy travels with the weights (as qwix's qtype does) and is part of the tree's structure: the forward
+  needs no extra argument, and a tree with another policy is another compile."""
+  if not _ACT_CLASS:
+    import flax
+    import qwix
+
+    @flax.struct.dataclass
+    class ActQArray(qwix.QArray):
+      act_min_tokens: int = flax.struct.field(pytree_node=False, default=0)
+
+    _ACT_CLASS.append(ActQArray)
+  return _ACT_CLASS[0]
+
+
+def act_min_tokens(w) -> int | None:
+  """The weight's activation policy: None (weight-only), else the fewest tokens that quantise activations."""
+  return getattr(w, "act_min_tokens", None) if is_qarray(w) else None
+
+
+def with_act(w, n: int | None):
+  """A QArray with activation policy n (None: weight-only)."""
+  return make_qarray(w.qvalue, w.scale, n) if act_min_tokens(w) != n else w
+
+
+# Activations' symmetric bounds. Not qwix.quantize's: its int8 bound is 127.5, which puts every row's absmax
+# element on a rounding boundary (+-127.5), so for activations quantised on the fly fp32 noise decides it
+# (-127 or -128): two exact implementations of the same MoE layer (the grouped kernels and the loop
+# reference) then differed in 5-19% of their outputs, by up to 15% of the quantisation error itself. With
+# 127 the absmax element lands on +-127 exactly. (Weights, quantised once, stay qwix's.)
+ACT_QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def quantize_rows(x: jax.Array, qtype, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """Dynamic symmetric quantisation of activations: one fp32 scale per index of the axes not in `axes` (per
+  token), absmax over `axes`. Returns (values in qtype, scale with `axes` kept as 1s); x ~ values * scale."""
+  xf = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
+  qmax = ACT_QMAX["int8" if jnp.dtype(qtype) == jnp.int8 else "fp8"]
+  # An all-zero row gets the smallest normal scale (its values are 0 either way) instead of 0 / 0: a max, not
+  # a select, so XLA can compute the scale inside the kernel that converts.
+  scale = jnp.maximum(amax / qmax, jnp.finfo(jnp.float32).tiny)
+  v = jnp.clip(xf / scale, -qmax, qmax)
+  if jnp.dtype(qtype) == jnp.int8:
+    v = jnp.round(v)
+  return v.astype(qtype), scale
+
+
+def accumulator(qtype):
+  """The product's accumulator for 8-bit operands: int32 for int8 (exact), fp32 for FP8."""
+  return jnp.int32 if jnp.dtype(qtype) == jnp.int8 else jnp.float32
 
 
 def join_columns(ws: list) -> Any:
@@ -211,7 +321,7 @@ def join_columns(ws: list) -> Any:
     raise ValueError("join_columns: kernels are either all quantised or all plain")
   qv = jnp.concatenate([w.qvalue.reshape(w.shape[0], -1) for w in ws], axis=1)
   sc = jnp.concatenate([w.scale.reshape(w.scale.shape[0], -1) for w in ws], axis=1)
-  return make_qarray(qv, sc)
+  return make_qarray(qv, sc, act_min_tokens(ws[0]))
 
 
 def _keys(path) -> tuple[str, ...]:
@@ -232,9 +342,14 @@ def quantize_params(params: dict[str, Any], qc: QuantConfig | str) -> dict[str, 
       return w
     if is_qarray(w):
       if w.qvalue.dtype == qc.qtype and tuple(w.scale.shape) == scale_shape(keys, w.shape, qc):
-        return w
-      w = dequantize(w, jnp.float32)
-    return quantize_leaf(keys, w, qc)
+        return with_act(w, qc.act_min_tokens)
+      dt, w = w.dtype, dequantize(w, jnp.float32)
+    else:
+      dt = w.dtype
+    q = quantize_leaf(keys, w, qc)
+    if keys == ("embed",):  # the table's dtype is the model's activation dtype (QArray.dtype is the scale's)
+      q = with_parts(q, q.qvalue, q.scale.astype(dt))
+    return with_act(q, qc.act_min_tokens)
 
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_qarray)
 
@@ -287,6 +402,9 @@ def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Ar
   if any(n not in (1, size) for n, size in zip(w.scale.shape, w.shape)):
     return _dequantized_einsum(full, x, w, preferred_element_type)
   s = w.scale.astype(jnp.float32).reshape([n for n in w.scale.shape if n != 1])
+  n_act = act_min_tokens(w)
+  if n_act is not None and x.size // _contracted_size(xs_full, out_full, x.shape) >= n_act:
+    return _act8_einsum(full, x, w, s, scaled, out_dt)
   q = w.qvalue.astype(dt)
   if all(c in out_full for c in scaled):
     y = jnp.einsum(full, x, q, preferred_element_type=jnp.float32)
@@ -296,6 +414,39 @@ def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Ar
     xf = x.astype(jnp.float32) * jax.lax.broadcast_in_dim(s, x.shape, [xs_full.index(c) for c in scaled])
     return jnp.einsum(full, xf.astype(dt), q, preferred_element_type=preferred_element_type).astype(out_dt)
   return _dequantized_einsum(full, x, w, preferred_element_type)
+
+
+def take_rows(table, ids: jax.Array) -> jax.Array:
+  """Rows of an embedding table [V, D] (plain or an 8-bit QArray with one scale per row) -> [..., D] in the
+  table's dtype (a QArray's: its scale's)."""
+  if not is_qarray(table):
+    return jnp.take(table, ids, axis=0)
+  rows = jnp.take(table.qvalue, ids, axis=0).astype(jnp.float32) * jnp.take(table.scale, ids, axis=0).astype(jnp.float32)
+  return rows.astype(table.dtype)
+
+
+def _contracted_size(xs: str, out: str, shape) -> int:
+  return int(np.prod([n for c, n in zip(xs, shape) if c not in out]))
+
+
+def _act8_einsum(full: str, x: jax.Array, w, s: jax.Array, scaled: list[str], out_dt) -> jax.Array:
+  """W8A8: x quantised per token (absmax over its contracted axes, after the weight's per-input-channel
+  scales where it has them) to the weight's 8-bit type, the product of the two 8-bit operands accumulated in
+  int32 / fp32 (8-bit tensor cores on GPU), then both scales applied to the fp32 result."""
+  ins, out = full.split("->")
+  xs, ws = ins.split(",")
+  xf = x.astype(jnp.float32)
+  if not all(c in out for c in scaled):  # scales on contracted axes: they go to x before its quantisation
+    xf = xf * jax.lax.broadcast_in_dim(s, x.shape, [xs.index(c) for c in scaled])
+  axes = tuple(i for i, c in enumerate(xs) if c not in out)
+  xq, sx = quantize_rows(xf, w.qvalue.dtype, axes)
+  y = jnp.einsum(full, xq, w.qvalue, preferred_element_type=accumulator(w.qvalue.dtype)).astype(jnp.float32)
+  kept = [c for c in xs if c in out]
+  y = y * jax.lax.broadcast_in_dim(sx.reshape([n for i, n in enumerate(x.shape) if i not in axes]), y.shape,
+                                   [out.index(c) for c in kept])
+  if all(c in out for c in scaled):
+    y = y * jax.lax.broadcast_in_dim(s, y.shape, [out.index(c) for c in scaled])
+  return y.astype(out_dt)
 
 
 def _dequantized_einsum(spec: str, x: jax.Array, w, preferred_element_type) -> jax.Array:

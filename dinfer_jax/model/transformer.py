@@ -146,7 +146,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
   if embeds is None:
     if tokens is None:
       raise ValueError("forward: pass token ids or input embeddings")
-    x = jnp.take(params["embed"], tokens, axis=0)
+    x = quant.take_rows(params["embed"], tokens)
   else:
     x = embeds
   dt = params["embed"].dtype

@@ -195,12 +195,13 @@ def test_gpu_check_script_rehearsal(tmp_path):
 
 
 def test_gpu_check_rehearsal_on_cpu(tmp_path):
-  """The Python entry in-process, batch 8 included (the script test covers batch 1)."""
+  """The Python entry in-process, batch 8 included (the script test covers batch 1); the 8-bit item in W8A8
+  with the 8-bit embedding table, activations 8-bit in every forward (+a8:0)."""
   out = tmp_path / "out"
-  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--reps", "1", "--weights", "bf16,int8",
-                         *_write_predictions(tmp_path)]) == 0
+  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--reps", "1", "--weights",
+                         "bf16,int8+head+embed+a8:0", *_write_predictions(tmp_path)]) == 0
   d = json.loads((out / "gpu_check.json").read_text())
-  _check_rehearsal(d, batch8=True, weights=("int8",))
+  _check_rehearsal(d, batch8=True, weights=("int8_head_embed_a8_0",))
   assert "predicted_ideal_s" not in d["items"]["generate_b8_threshold"]  # no batch-8 prediction was given
 
 

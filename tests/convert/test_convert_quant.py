@@ -194,3 +194,12 @@ def test_hf_fp8_errors(tmp_path):
   fp8, _ = _fp8_hf(tmp_path / "c")
   with pytest.raises(checkpoint.CheckpointError, match="already FP8 with 16x16 block scales"):
     checkpoint.hf2jax(fp8, tmp_path / "c" / "out", quantize="int8")
+
+
+@pytest.mark.parametrize("spec", ["fp8+a8", "int8+embed"])
+def test_hf2jax_refuses_load_time_options(tmp_path, spec):
+  """8-bit activations and the 8-bit embedding table are chosen on load: conversion names them and writes
+  nothing."""
+  with pytest.raises(checkpoint.CheckpointError, match=r"\+a8.*\+embed.*chosen when a model is loaded"):
+    checkpoint.hf2jax(MODELS["llada_moe"], tmp_path / "q", "bfloat16", quantize=spec)
+  assert not (tmp_path / "q").exists()

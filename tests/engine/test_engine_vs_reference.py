@@ -146,7 +146,9 @@ def test_reference_is_independent_of_the_engine():
     elif isinstance(node, ast.Import):
       imported |= {a.name for a in node.names}
   ours = {m for m in imported if m.startswith("dinfer_jax")}
-  assert ours <= {"dinfer_jax.decoders", "dinfer_jax.cache.KVCache", "dinfer_jax.model.transformer.forward"}, ours
+  # model.quant: the weight format (an 8-bit embedding table's rows), part of the model like the forward.
+  assert ours <= {"dinfer_jax.decoders", "dinfer_jax.cache.KVCache", "dinfer_jax.model.transformer.forward",
+                  "dinfer_jax.model.quant"}, ours
   assert ref_lib.reference_generate is stepped.reference_generate
 
 

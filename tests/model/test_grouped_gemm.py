@@ -94,6 +94,14 @@ def test_bad_inputs_are_named():
                       interpret=True)
   with pytest.raises(ValueError, match="power of two"):
     gg.Plan(24, 1)
+  w8 = jnp.zeros((4, 64, 128), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="8-bit x .* needs its row_scale"):
+    gg.grouped_matmul(x.astype(jnp.float8_e4m3fn), (w8,), lo, hi, gg.Plan(16, 1), interpret=True)
+  with pytest.raises(ValueError, match="row_scale needs x in the weights' 8-bit type"):
+    gg.grouped_matmul(x.astype(jnp.int8), (w8,), lo, hi, gg.Plan(16, 1), row_scale=jnp.ones((32,)), interpret=True)
+  with pytest.raises(ValueError, match=r"row_scale \(16,\) is not \[32\]"):
+    gg.grouped_matmul(x.astype(jnp.float8_e4m3fn), (w8,), lo, hi, gg.Plan(16, 1), row_scale=jnp.ones((16,)),
+                      interpret=True)
   block = quant.quantize_leaf(("experts", "gate"), jnp.ones((4, 256, 256)), quant.QuantConfig.parse("fp8-block"))
   assert not gg.supports(block)
 
@@ -161,12 +169,16 @@ def test_moe_layer_on_the_kernel_matches_the_loop_over_experts():
   same = jnp.broadcast_to(jnp.asarray([3, 5], jnp.int32), idx.shape)
   np.testing.assert_allclose(moe.experts_grouped(h, w, same, ex, E), moe.moe_loop_reference(h, w, same, ex, E),
                              rtol=1e-5, atol=1e-5)
-  for spec in ("int8", "fp8"):
+  for spec in ("int8", "fp8", "int8+a8:0", "fp8+a8:0"):
     qex = quant.quantize_params({"moe_layers": [{"experts": ex}]}, quant.QuantConfig.parse(spec))
     qex = qex["moe_layers"][0]["experts"]
     assert grouped_gemm_taken(qex)
     np.testing.assert_allclose(moe.experts_grouped(h, w, idx, qex, E), moe.moe_loop_reference(h, w, idx, qex, E),
                                rtol=1e-5, atol=1e-5)
+  # 8-bit activations change the result (the reference rounds the same rows the kernels do).
+  a8 = quant.quantize_params({"moe_layers": [{"experts": ex}]}, "fp8+a8:0")["moe_layers"][0]["experts"]
+  w8 = quant.quantize_params({"moe_layers": [{"experts": ex}]}, "fp8")["moe_layers"][0]["experts"]
+  assert float(jnp.abs(moe.experts_grouped(h, w, idx, a8, E) - moe.experts_grouped(h, w, idx, w8, E)).max()) > 1e-3
 
 
 def grouped_gemm_taken(ex) -> bool:
@@ -287,7 +299,7 @@ def test_moe_ffn_routes_in_the_kernel_and_matches_the_reference():
   out = moe.moe_ffn(h, lp, cfg, "grouped", norm_w=nw)
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
   assert float(jnp.abs(ref).max()) > 1e-2
-  for spec in ("int8", "fp8"):
+  for spec in ("int8", "fp8", "int8+a8:0", "fp8+a8:0"):
     q = quant.quantize_params({"moe_layers": [lp]}, quant.QuantConfig.parse(spec))["moe_layers"][0]
     q = dict(lp, experts=q["experts"])
     np.testing.assert_allclose(moe.moe_ffn(h, q, cfg, "grouped", norm_w=nw), moe.moe_ffn(nw * h, q, cfg, "loop"),
