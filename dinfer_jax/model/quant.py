@@ -125,7 +125,7 @@ class QuantConfig:
 
 # From this many tokens per forward the activations go 8-bit by default: every refresh (1280 tokens per
 # sequence on the 7B-A1B bench), where the GEMMs are compute-bound and 8-bit tensor cores run twice as fast
-# (the bench's realistic batch-1 refresh: 5.87 -> 4.81 ms; batch 8: 39.0 -> 21.3 ms). Not the cached windows:
+# (the bench's realistic batch-1 refresh at fp8: 5.84 -> 4.79 ms; batch 8: 39.0 -> 21.2 ms). Not the cached windows:
 # at batch 1 (96 tokens, ~12 rows per expert) a forward reads weights far more than it computes, and even at
 # batch 8 (768 tokens) the quantisation's own kernels and bytes cost more than the faster products save
 # (3.97 -> 4.26 ms by the same model).
@@ -245,7 +245,7 @@ def with_parts(w, qvalue, scale):
 
 def make_qarray(qvalue, scale, act_min_tokens: int | None = None):
   """A QArray from stored parts (a checkpoint's qvalue and fp32 scale); with act_min_tokens, one whose products
-  quantise their activations too (act_qarray)."""
+  quantise their activations too (see _act_class)."""
   import qwix
   if act_min_tokens is None:
     return qwix.QArray(qvalue=qvalue, scale=scale)
