@@ -22,6 +22,14 @@ QUANTIZE_CHOICES = ("int8", "fp8", "int8-block", "fp8-block", "int8+head", "fp8+
 _BASES = ("int8", "fp8", "int8-block", "fp8-block", "int8-channel", "fp8-channel")
 
 
+def is_quantize_spec(s: str) -> bool:
+  """Whether s is a weight format quantize_spec accepts (for comma lists such as --weights)."""
+  try:
+    return bool(quantize_spec(s))
+  except argparse.ArgumentTypeError:
+    return False
+
+
 def quantize_spec(s: str) -> str:
   """argparse type of --quantize / --weights entries: a base format with model/quant.py's options."""
   from dinfer_jax.model import quant

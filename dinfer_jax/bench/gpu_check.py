@@ -451,9 +451,8 @@ def main(argv=None) -> int:
   if not set(args.batches) <= {1, 8} or 1 not in args.batches:
     raise SystemExit(f"--batches {args.batches}: expected 1 or 1,8")
   args.weights = [w.strip() for w in args.weights.split(",") if w.strip()]
-  from dinfer_jax.bench.roofline import _valid_spec
-  from dinfer_jax.cli_common import QUANTIZE_CHOICES
-  bad = [w for w in args.weights if w != "bf16" and not _valid_spec(w)]
+  from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
+  bad = [w for w in args.weights if w != "bf16" and not is_quantize_spec(w)]
   if bad or not args.weights:
     raise SystemExit(f"--weights {bad}: choose from bf16, {', '.join(QUANTIZE_CHOICES)}")
   if args.predicted is None:

@@ -42,7 +42,7 @@ from dinfer_jax.bench import presets
 from dinfer_jax.bench import realistic
 from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward
 from dinfer_jax.bench.throughput import cached_kind, forward_programs
-from dinfer_jax.cli_common import QUANTIZE_CHOICES, quantize_spec
+from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine import iteration
 from dinfer_jax.engine import loop
@@ -598,13 +598,6 @@ def markdown(res: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def _valid_spec(w: str) -> bool:
-  try:
-    return bool(quantize_spec(w))
-  except argparse.ArgumentTypeError:
-    return False
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--preset", default="llada_moe_7b_a1b", choices=sorted(presets.PRESETS))
@@ -639,7 +632,7 @@ def main(argv=None) -> int:
   if bad:
     raise SystemExit(f"--caches: unknown {bad}; choose from none, prefix, dual")
   weights = tuple(w.strip() for w in args.weights.split(",") if w.strip())
-  bad = [w for w in weights if w != "bf16" and not _valid_spec(w)]
+  bad = [w for w in weights if w != "bf16" and not is_quantize_spec(w)]
   if bad or not weights:
     raise SystemExit(f"--weights: unknown {bad}; choose from bf16, {', '.join(QUANTIZE_CHOICES)} (per-channel "
                      "ones with +head, +embed, +a8 or +a8:N)")

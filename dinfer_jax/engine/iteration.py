@@ -11,10 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.model import quant
-
 from dinfer_jax.engine.config import (SMOOTH_THRESHOLD_DECAY, SMOOTH_WEIGHT_GROWTH, SMOOTH_WEIGHT_INIT,
                                       GenerationConfig)
+from dinfer_jax.model import quant
 
 
 def smooth_weight(n: jax.Array, cont_weight: jax.Array | float) -> jax.Array:

@@ -118,7 +118,7 @@ def make_decoder(gcfg, vocab_size: int, *, independent_fixed_steps: bool = True)
 def _soft(table, tokens: np.ndarray, logits, mask_id: int, w: float) -> np.ndarray:
   """E[x] + w * softmax(z) @ E where x is MASK, E[x] elsewhere (decoding.md §5, H2Embed, tau 1); an 8-bit
   table is dequantised first."""
-  E = jnp.asarray(quant.dequantize(table, table.dtype)) if quant.is_qarray(table) else jnp.asarray(table)
+  E = jnp.asarray(quant.dequantize(table, table.dtype))
   base = E[jnp.asarray(tokens)]
   p = jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1)
   soft = jnp.einsum("wv,vd->wd", p.astype(E.dtype), E, preferred_element_type=jnp.float32)

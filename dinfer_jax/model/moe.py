@@ -261,8 +261,7 @@ def moe_loop_reference(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_e
   quantised experts are dequantised first. With 8-bit activations (quant.act_min_tokens) each token's input
   and each (token, expert) row's down input (after the down projection's per-input scales) are rounded
   through quant.quantize_rows, as the grouped kernels quantise them."""
-  n_act = quant.act_min_tokens(ex["gate"])
-  a8 = n_act is not None and h.shape[0] >= n_act
+  a8 = quant.act8(ex["gate"], h.shape[0])
   if a8:
     qt, down_s = ex["down"].qvalue.dtype, ex["down"].scale[..., 0]  # [E, F]
 
@@ -294,8 +293,7 @@ def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
   down, fold = ex["down"], None
   if quant.is_qarray(down):  # per-(expert, F) scales: applied to the activations, in the kernel before
     fold, down = down.scale.reshape(down.shape[0], 1, down.shape[1]), down.qvalue
-  n_act = quant.act_min_tokens(ex["gate"])
-  a8 = n_act is not None and T >= n_act
+  a8 = quant.act8(ex["gate"], T)
   x, x_rs = h, None
   if a8:  # 8-bit activations: each token quantised once (after the norm weight), before its k rows are formed
     hw = h if x_scale is None else h * x_scale.astype(h.dtype)

@@ -277,6 +277,12 @@ def act_min_tokens(w) -> int | None:
   return getattr(w, "act_min_tokens", None) if is_qarray(w) else None
 
 
+def act8(w, tokens: int) -> bool:
+  """Whether a product with weight w over `tokens` rows runs on 8-bit activations (its policy says so)."""
+  n = act_min_tokens(w)
+  return n is not None and tokens >= n
+
+
 def with_act(w, n: int | None):
   """A QArray with activation policy n (None: weight-only)."""
   return make_qarray(w.qvalue, w.scale, n) if act_min_tokens(w) != n else w
@@ -402,8 +408,7 @@ def einsum(spec: str, x: jax.Array, w, *, preferred_element_type=None) -> jax.Ar
   if any(n not in (1, size) for n, size in zip(w.scale.shape, w.shape)):
     return _dequantized_einsum(full, x, w, preferred_element_type)
   s = w.scale.astype(jnp.float32).reshape([n for n in w.scale.shape if n != 1])
-  n_act = act_min_tokens(w)
-  if n_act is not None and x.size // _contracted_size(xs_full, out_full, x.shape) >= n_act:
+  if act8(w, x.size // _contracted_size(xs_full, out_full, x.shape)):
     return _act8_einsum(full, x, w, s, scaled, out_dt)
   q = w.qvalue.astype(dt)
   if all(c in out_full for c in scaled):
