@@ -323,6 +323,12 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
       if can_cached:
         idx = idx + jnp.where(use_cached.any(), 1 + (win if windowed else 0), 0).astype(jnp.int32)
       outs = jax.lax.switch(idx, branches, b) if branch is None else run_forwards(*branch)(b)
+      # Which forwards this iteration may run. Where the caller fixed the branch, the other kind's logits are
+      # zeros and every use of them is dead; tracing that use anyway is not free: XLA cannot drop a
+      # soft embedding of zero logits behind a runtime select, and the full canvas's (uniform probabilities
+      # times the whole table: [B*Tc, V] x [V, D], ~1 ms on an H200 at 7B-A1B) ran in every cached step.
+      may_full = can_full and (branch is None or branch[0])
+      may_cached = can_cached and (branch is None or branch[1] is not None)
       if can_cached:
         full_logits, _, cached_logits, c0, write = outs
         nb["cache"] = outs[1]
@@ -335,7 +341,12 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
         cached_blk = None if cached_logits is None else slice_rows(cached_logits, s - c0, L)
       else:
         full_blk, cached_blk = full_logits, cached_logits
-      logits = full_blk if cached_blk is None else jnp.where(use_full[:, None, None], full_blk, cached_blk)
+      if not may_cached:
+        logits = full_blk
+      elif not may_full:
+        logits = cached_blk
+      else:
+        logits = jnp.where(use_full[:, None, None], full_blk, cached_blk)
 
       thr = iteration.step_threshold(b["n"], gcfg, knobs["threshold"])
       keys = jax.vmap(jax.random.fold_in)(row_keys, b["n"])
@@ -353,12 +364,11 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
       if smoothing:
         w = iteration.smooth_weight(b["n"], knobs["cont_weight"])
         masked_now = nb["canvas"] == mask_id
-        if mode != "block_diffusion":
+        emb = b["emb"]
+        if may_full:
           soft_full = iteration.soft_embed(table, nb["canvas"], full_logits, masked_now, w)
-          emb = jnp.where(use_full[:, None, None], soft_full, b["emb"])
-        else:
-          emb = b["emb"]
-        if cached_mode:
+          emb = jnp.where(use_full[:, None, None], soft_full, emb)
+        if may_cached:
           wtok = slice_rows(nb["canvas"], c0, W)
           soft_win = iteration.soft_embed(table, wtok, cached_logits, wtok == mask_id, w)
           old_win = slice_rows(emb, c0, W)
