@@ -1,0 +1,57 @@
+"""What the generate program traces, not only what it returns: dead work behind a runtime select survives
+XLA (it cannot prove the select's predicate), so it must not be traced at all."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from dinfer_jax.bench import presets
+from dinfer_jax.engine import generate as gen_lib
+from dinfer_jax.engine import loop
+from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine.generate import inference_params
+from dinfer_jax.model.params import init_params
+
+
+def _subjaxprs(eqn):
+  for p in eqn.params.values():
+    for sub in (p if isinstance(p, (list, tuple)) else [p]):
+      if isinstance(sub, jcore.ClosedJaxpr):
+        yield sub.jaxpr
+      elif isinstance(sub, jcore.Jaxpr):
+        yield sub
+
+
+def _dots_over(jaxpr, dims: tuple[int, ...]) -> int:
+  """dot_generals anywhere under `jaxpr` with an operand whose shape holds every one of `dims`."""
+  n = 0
+  for e in jaxpr.eqns:
+    if e.primitive.name == "dot_general":
+      n += any(all(d in v.aval.shape for d in dims) for v in e.invars)
+    n += sum(_dots_over(s, dims) for s in _subjaxprs(e))
+  return n
+
+
+def test_cached_steps_do_not_soft_embed_the_whole_canvas():
+  """Dual cache + iteration smoothing (dInfer's setting): the refresh iteration soft-embeds the whole canvas
+  ([B, Tc, V] probabilities x [V, D] table); the cached steps only their window. Before engine.loop traced
+  what its fixed branch can produce, every cached step also soft-embedded the zero full logits over the
+  canvas (at 7B-A1B an 0.8 TFLOP GEMM per step, ~1 ms on an H200, that XLA kept)."""
+  cfg = presets.get("tiny").model()
+  gcfg = GenerationConfig(gen_length=64, block_length=16, cache="dual", threshold=0.8, prompt_bucket=16,
+                          cont_weight=0.3, prefix_look=16, after_look=16, warmup_steps=4)
+  lay, static = gen_lib.prepare(cfg, [list(range(10, 26))], gcfg)
+  params = jax.eval_shape(lambda: inference_params(init_params(cfg, jax.random.PRNGKey(0)), cfg))
+  args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
+  jx = jax.make_jaxpr(lambda p, *a: loop.run(p, *a, **static))(params, *args).jaxpr
+  canvas = (lay.grid.canvas_len, cfg.vocab_size)
+  assert lay.grid.window < lay.grid.canvas_len  # a window's soft embedding cannot pass for the canvas's
+  blocks = [e for e in jx.eqns if e.primitive.name == "while"]
+  assert len(blocks) == 1
+  body = blocks[0].params["body_jaxpr"].jaxpr
+  steps = [e for e in body.eqns if e.primitive.name == "while"]
+  assert _dots_over(body, canvas) >= 1  # the refresh's soft embedding: the check sees such a product
+  # The last loop of the block body runs the cached steps (the first, with vicinity, the warm-up steps that
+  # pick their forward at run time and may need the canvas's).
+  assert steps and _dots_over(steps[-1].params["body_jaxpr"].jaxpr, canvas) == 0
