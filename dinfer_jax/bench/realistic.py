@@ -170,10 +170,11 @@ def branches(rest: str) -> list[str]:
   return list(_TRUE_FALSE.search(rest).groups())
 
 
-def kernels(mod: Module, ch: Charges, comp: str | None = None) -> Kernels:
+def kernels(mod: Module, ch: Charges, comp: str | None = None, nested: bool = True) -> Kernels:
   """Kernels one execution of `comp` (default: the entry) launches. A loop with a known trip count counts its
   body that many times; a loop without one (or a conditional) counts its body (every branch) once: per
-  iteration figures are the caller's business (host_syncs says how many iterations read the host)."""
+  iteration figures are the caller's business (host_syncs says how many iterations read the host).
+  nested=False: `comp`'s own kernels only, not those of the loops, conditionals and calls it runs."""
   comp = comp or mod.entry
   out = Kernels()
   run = 0
@@ -192,6 +193,8 @@ def kernels(mod: Module, ch: Charges, comp: str | None = None) -> Kernels:
       continue
     if op in _CONTROL:
       close()
+      if not nested:
+        continue
       if op == "while":
         t = _TRIP.search(rest)
         out.add(kernels(mod, ch, _BODY.search(rest).group(1)), int(t.group(1)) if t else 1)
@@ -423,6 +426,86 @@ def host_syncs(mod: Module) -> Syncs:
   per_step, per_block = min(loops)
   return Syncs(per_step=per_step, per_block=1 + per_block, per_step_max=max(p for p, _ in loops),
                step_loops=len(loops))
+
+
+_REFS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_REF_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+
+
+def reachable(mod: Module, comp: str) -> list[str]:
+  """The computations `comp` runs or calls (itself first), through fusions, loops, conditionals and calls."""
+  seen, todo = [comp], [comp]
+  while todo:
+    for _, _, _, rest in mod.comps.get(todo.pop(), []):
+      names = _REFS.findall(rest) + [n.strip().lstrip("%") for lst in _REF_LISTS.findall(rest)
+                                     for n in lst.split(",") if n.strip()]
+      for n in names:
+        if n in mod.comps and n not in seen:
+          seen.append(n)
+          todo.append(n)
+  return seen
+
+
+def subprogram(text: str, comp: str) -> str:
+  """The optimised module's text re-rooted at `comp` (a loop body, a conditional branch): `comp` becomes the
+  entry and only the computations it reaches are kept, so the cost analysis and every count of this module
+  (kernels, gathers, grouped GEMMs) see one execution of that computation and nothing else."""
+  keep = set(reachable(Module(text), comp))
+  out, cur = ["HloModule subprogram"], None
+  for line in text.splitlines():
+    h = _HEADER.match(line)
+    if h:
+      cur = h.group(2) if h.group(2) in keep else None
+      if cur is not None:
+        out.append(("ENTRY " if cur == comp else "") + line[len(h.group(1) or ""):])
+      continue
+    if cur is not None:
+      out.append(line)
+      if line.startswith("}"):
+        cur = None
+  return "\n".join(out) + "\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopParts:
+  """Where one iteration of each kind lives in the generate program (engine.loop): the block loop's body;
+  in it, the block-entry iteration (the largest branch of its conditionals: the refresh with its decoder and
+  smoothing; None without one) and the step loop that runs the rest of the block (its last data-dependent
+  while: the cached steps, or the full ones without a cache). step_fixed: that loop's body picks no forward
+  at run time (no conditional in it), so one execution of it is one iteration of a known kind."""
+  block: str
+  entry: str | None
+  step: str | None
+  step_fixed: bool
+
+
+def loop_parts(mod: Module) -> LoopParts | None:
+  """The generate program's parts (None: the entry has no data-dependent block loop)."""
+  def whiles(comp: str) -> list[str]:
+    return [_BODY.search(rest).group(1) for _, _, op, rest in mod.comps.get(comp, [])
+            if op == "while" and not _TRIP.search(rest)]
+  blocks = whiles(mod.entry)
+  if not blocks:
+    return None
+  block = blocks[0]
+  brs = [br for _, _, op, rest in mod.comps[block] if op == "conditional" for br in branches(rest)]
+  entry = max(brs, key=lambda b: len(mod.comps.get(b, [])), default=None)
+  steps = whiles(block)
+  step = steps[-1] if steps else None
+  fixed = step is not None and not any(op == "conditional" for c in reachable(mod, step)
+                                       for _, _, op, _ in mod.comps.get(c, []))
+  return LoopParts(block=block, entry=entry, step=step, step_fixed=fixed)
+
+
+def own_time(mod: Module, comp: str, ch: Charges) -> dict[str, Any]:
+  """Realistic time of a computation's own kernels, not of the loops and conditionals it runs (a block
+  body's bookkeeping between its iterations): each kernel's operands and result at the achievable bandwidth,
+  plus the kernel floors."""
+  moved = sum(nbytes(mod.operands(rest)) + nbytes(arrays(result)) for _, result, op, rest in mod.comps.get(comp, [])
+              if op not in _FREE and op not in _CONTROL)
+  k = kernels(mod, ch, comp, nested=False)
+  return {"realistic_s": moved / ch.hbm_bytes_per_s + k.overhead_s(ch), "realistic_bytes": moved,
+          "kernels": k.total}
 
 
 def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, Any]:

@@ -431,8 +431,31 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
                  "device_loop": device_loop, "host_syncs_per_step": 0 if device_loop else syncs.per_step,
                  "host_syncs_per_block": 0 if device_loop else syncs.per_block,
                  "host_driven_syncs_per_step": syncs.per_step, "host_driven_syncs_per_block": syncs.per_block,
-                 "host_driven_syncs_per_step_max": syncs.per_step_max})
+                 "host_driven_syncs_per_step_max": syncs.per_step_max, **loop_costs(text, charges)})
   return rows
+
+
+def loop_costs(text: str, charges: realistic.Charges) -> dict[str, Any]:
+  """The generate program's own iterations, costed where they run (realistic.loop_parts): the block-entry
+  iteration (refresh forward + decoder + smoothing, as the block body runs it), one step of the step loop and
+  the block body's own bookkeeping. These see what composing separately compiled forwards cannot: work the
+  loop adds or fails to drop around the forward (the dead soft embedding of engine.loop's fix), copies
+  between the loop carries, fusion across the forward's edge. Empty without a data-dependent block loop."""
+  mod = realistic.Module(text)
+  parts = realistic.loop_parts(mod)
+  if parts is None or parts.step is None:
+    return {}
+  out: dict[str, Any] = {"loop_step_fixed": parts.step_fixed}
+  for name, comp in (("entry", parts.entry), ("step", parts.step)):
+    if comp is None:
+      continue
+    sub = realistic.subprogram(text, comp)
+    t = realistic.forward_time(ModuleCost(sub).total(), realistic.Module(sub), charges)
+    out.update({f"loop_{name}_ms": 1e3 * t["realistic_s"], f"loop_{name}_kernels": t["kernels"],
+                f"loop_{name}_bytes": t["realistic_bytes"], f"loop_{name}_flops": t["realistic_flops"]})
+  own = realistic.own_time(mod, parts.block, charges)
+  out.update({"loop_block_ms": 1e3 * own["realistic_s"], "loop_block_kernels": own["kernels"]})
+  return out
 
 
 def _generation_s(t: dict[str, float], cache: str, G: int, L: int, tpf: float, per_block_s: float = 0.0) -> float:
@@ -454,8 +477,9 @@ def _generation_s(t: dict[str, float], cache: str, G: int, L: int, tpf: float, p
 def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float,
             charges: realistic.Charges = realistic.H200) -> list[dict[str, Any]]:
   """Predicted TPS per (batch, cache) at tpf tokens per forward: ideal (the forwards' roofline times at spec
-  peaks), floor (the byte/FLOP floors) and realistic (each forward's realistic time + the iteration's work
-  outside it + its host syncs, as compiled)."""
+  peaks), floor (the byte/FLOP floors) and realistic: the generate program's own iterations (loop_costs) where
+  its rows have them and each step is of one kind, else composed from each forward's realistic time + the
+  iteration's work outside it (kept beside it as composed_realistic_*); both + the host syncs as compiled."""
   preset = presets.get(preset_name)
   G, L = preset.gen_length, preset.block_length
   out = []
@@ -469,12 +493,25 @@ def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float,
     sync_s = 1e-6 * charges.sync_us
     gen_s = _generation_s({r["kind"]: r["roofline_ms"] / 1e3 for r in fwd}, cache, G, L, tpf)
     floor_s = _generation_s({r["kind"]: r["floor_ms"] / 1e3 for r in fwd}, cache, G, L, tpf)
-    real = {r["kind"]: (r["realistic_ms"] + r["step_ms"]) / 1e3 + (per_step or 0) * sync_s for r in fwd}
-    real_s = _generation_s(real, cache, G, L, tpf, per_block_s=(per_block or 0) * sync_s)
+    composed = {r["kind"]: (r["realistic_ms"] + r["step_ms"]) / 1e3 + (per_step or 0) * sync_s for r in fwd}
+    composed_s = _generation_s(composed, cache, G, L, tpf, per_block_s=(per_block or 0) * sync_s)
+    real_s, source = composed_s, "composed forwards"
+    g = gen[0] if gen else {}
+    # The generate program's own iterations where each is of one known kind (dual, prefix without windows,
+    # no cache): the program that runs, not the sum of programs that do not.
+    if g.get("loop_step_fixed") and (cache == "none" or "loop_entry_ms" in g):
+      step_s = g["loop_step_ms"] / 1e3 + (per_step or 0) * sync_s
+      t = {k: step_s for k in composed}
+      if cache != "none":
+        t["refresh"] = g["loop_entry_ms"] / 1e3 + (per_step or 0) * sync_s
+      real_s = _generation_s(t, cache, G, L, tpf, per_block_s=g["loop_block_ms"] / 1e3 + (per_block or 0) * sync_s)
+      source = "generate program"
     out.append({"batch": batch, "cache": cache, "weights": weights, "tpf": tpf, "generate_ms": 1e3 * gen_s,
                 "predicted_tps_per_seq": G / gen_s, "predicted_tps_aggregate": batch * G / gen_s,
                 "floor_tps_per_seq": G / floor_s, "realistic_generate_ms": 1e3 * real_s,
                 "realistic_tps_per_seq": G / real_s, "realistic_tps_aggregate": batch * G / real_s,
+                "realistic_source": source, "composed_realistic_tps_per_seq": G / composed_s,
+                "composed_realistic_tps_aggregate": batch * G / composed_s,
                 "host_syncs_per_step": per_step, "host_syncs_per_block": per_block})
   return out
 
@@ -580,21 +617,30 @@ def markdown(res: dict[str, Any]) -> str:
                  f"| {r['grouped_gemm_empty_s'] * 1e3:.2f} | {r['realistic_ms']:.2f} | {r['step_ms']:.2f} ({r['step_kernels']}) "
                  f"| {r.get('dequantized_copy_bytes', 0) / 1e9:.2f} |")
   lines += ["", "| chip | batch | cache | weights | generate program temp GB | host transfers | device loop | host syncs per step "
-            "/ per block | host-driven: per step / per block | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "/ per block | host-driven: per step / per block | block entry ms (kernels) | step ms (kernels) "
+            "| block own ms (kernels) | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+  def part(r, name):
+    return f"{r[f'loop_{name}_ms']:.2f} ({r[f'loop_{name}_kernels']})" if f"loop_{name}_ms" in r else "-"
   for r in res["rows"]:
     if r["kind"] == "generate":
       lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r.get('weights', 'bf16')} | {r['temp_bytes'] / 1e9:.3f} "
                    f"| {r['host_ops']} "
                    f"| {r['device_loop']} | {r['host_syncs_per_step']} / {r['host_syncs_per_block']} "
-                   f"| {r['host_driven_syncs_per_step']} / {r['host_driven_syncs_per_block']} | {r['compile_s']:.1f} |")
+                   f"| {r['host_driven_syncs_per_step']} / {r['host_driven_syncs_per_block']} | {part(r, 'entry')} "
+                   f"| {part(r, 'step')} | {part(r, 'block')} | {r['compile_s']:.1f} |")
   lines += ["", f"Setting {res['setting']}, TPF {res['tpf']}:", "",
             "| chip | batch | cache | weights | ideal TPS per seq | ideal aggregate | realistic TPS per seq "
-            "| realistic aggregate | floor TPS per seq |", "|---|---|---|---|---|---|---|---|---|"]
+            "| realistic aggregate | realistic from | composed per seq / aggregate | floor TPS per seq |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
   for p in res["predictions"]:
     lines.append(f"| {p['chip']} | {p['batch']} | {p['cache']} | {p.get('weights', 'bf16')} "
                  f"| {p['predicted_tps_per_seq']:.0f} "
                  f"| {p['predicted_tps_aggregate']:.0f} | {p['realistic_tps_per_seq']:.0f} "
-                 f"| {p['realistic_tps_aggregate']:.0f} | {p['floor_tps_per_seq']:.0f} |")
+                 f"| {p['realistic_tps_aggregate']:.0f} | {p.get('realistic_source', 'composed forwards')} "
+                 f"| {p.get('composed_realistic_tps_per_seq', p['realistic_tps_per_seq']):.0f} / "
+                 f"{p.get('composed_realistic_tps_aggregate', p['realistic_tps_aggregate']):.0f} "
+                 f"| {p['floor_tps_per_seq']:.0f} |")
   return "\n".join(lines)
 
 

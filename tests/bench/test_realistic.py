@@ -301,6 +301,81 @@ ENTRY %main (x: f32[8]) -> f32[8] {
   assert (s.per_step, s.per_block, s.per_step_max, s.step_loops) == (1, 3, 2, 2)
 
 
+# The generate program's shape (engine.loop): the block loop's body copies the cache (its own kernel), runs
+# the block-entry iteration under a conditional (the refresh branch has 3 kernels, the other 1) and then the
+# step loop, whose body (2 fusions, one calling a helper) picks nothing at run time.
+_GENERATE = """HloModule gen
+
+%fused_a (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %t = f32[8]{0} tanh(%p)
+}
+
+%fused_b (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %t = f32[8]{0} exponential(%p)
+}
+
+%cond (c: f32[8]) -> pred[] {
+  %c = f32[8]{0} parameter(0)
+  ROOT %k = pred[] constant(true)
+}
+
+%refresh (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_a
+  %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_b
+  ROOT %d = f32[8]{0} fusion(%b), kind=kLoop, calls=%fused_a
+}
+
+%skip (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  ROOT %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_b
+}
+
+%step (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_a
+  ROOT %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_b
+}
+
+%block (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %k = f32[8]{0} copy(%c)
+  %t = pred[] constant(true)
+  %r = f32[8]{0} conditional(%t, %k, %k), true_computation=%refresh, false_computation=%skip
+  ROOT %w = f32[8]{0} while(%r), condition=%cond, body=%step
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %w = f32[8]{0} while(%x), condition=%cond, body=%block
+}
+"""
+
+
+def test_loop_parts_find_each_iteration_of_the_generate_program():
+  mod = realistic.Module(_GENERATE)
+  parts = realistic.loop_parts(mod)
+  assert parts == realistic.LoopParts(block="block", entry="refresh", step="step", step_fixed=True)
+  assert realistic.reachable(mod, "step") == ["step", "fused_a", "fused_b"]
+  sub = realistic.Module(realistic.subprogram(_GENERATE, "refresh"))
+  assert sub.entry == "refresh" and set(sub.comps) == {"refresh", "fused_a", "fused_b"}
+  assert realistic.kernels(sub, realistic.H200).total == 3
+  assert realistic.kernels(mod, realistic.H200, "block").total == 1 + 3 + 1 + 2  # every branch, the loop once
+  own = realistic.own_time(mod, "block", realistic.H200)
+  # Its own kernel is the copy alone: 32 bytes read, 32 written, one floor (a lone kernel launches alone).
+  assert own["kernels"] == 1 and own["realistic_bytes"] == 64
+  k = realistic.kernels(mod, realistic.H200, "block", nested=False)
+  assert own["realistic_s"] == pytest.approx(64 / realistic.H200.hbm_bytes_per_s + k.overhead_s(realistic.H200))
+  # A step that picks its forward at run time is not one iteration of a known kind.
+  switching = _GENERATE.replace("ROOT %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_b",
+                                "%t = pred[] constant(true)\n  ROOT %b = f32[8]{0} conditional(%t, %a, %a), "
+                                "true_computation=%refresh, false_computation=%skip")
+  assert not realistic.loop_parts(realistic.Module(switching)).step_fixed
+  assert realistic.loop_parts(realistic.Module(_MODULE)) is None  # no data-dependent loop
+
+
 def test_realistic_prediction_by_hand():
   """tiny preset: G 64, L 16 -> 4 blocks; at TPF 3.2 20 forwards: 4 refreshes + 16 cached (4 per block)."""
   def row(kind, ideal, real, step):
@@ -315,6 +390,15 @@ def test_realistic_prediction_by_hand():
   real_s = 4 * (3.5e-3 + 2 * sync + sync) + 16 * (1.75e-3 + 2 * sync)
   assert p["realistic_tps_per_seq"] == pytest.approx(64 / real_s)
   assert p["host_syncs_per_step"] == 2
+  assert p["realistic_source"] == "composed forwards" and p["composed_realistic_tps_per_seq"] == p["realistic_tps_per_seq"]
+  # With the generate program's own iterations the realistic figure is theirs; the composed one stays beside it.
+  rows[2].update(loop_step_fixed=True, loop_entry_ms=4.0, loop_step_ms=2.0, loop_block_ms=0.5)
+  q = roofline.predict(rows, "tiny", 3.2, realistic.H200)[0]
+  loop_s = 4 * (4.0e-3 + 2 * sync + 0.5e-3 + sync) + 16 * (2.0e-3 + 2 * sync)
+  assert q["realistic_tps_per_seq"] == pytest.approx(64 / loop_s) and q["realistic_source"] == "generate program"
+  assert q["composed_realistic_tps_per_seq"] == pytest.approx(64 / real_s)
+  rows[2]["loop_step_fixed"] = False  # a step of either kind: only the composed figure knows their mix
+  assert roofline.predict(rows, "tiny", 3.2, realistic.H200)[0]["realistic_tps_per_seq"] == pytest.approx(64 / real_s)
 
 
 def test_bad_charges():

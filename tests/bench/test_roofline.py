@@ -55,6 +55,14 @@ def test_tiny_preset_cpu_target(tmp_path):
   G, L = 64, 16
   gen_ms = (G // L) * t["refresh"] + (G / roofline.DINFER_TPF - G // L) * t["cached"]
   assert p1["predicted_tps_per_seq"] == pytest.approx(G / (gen_ms / 1e3))
+  # The realistic figure costs the generate program's own iterations: with dual cache a refresh branch and a
+  # cached step loop that picks nothing at run time; without a cache the step loop of full forwards.
+  for cache in ("dual", "none"):
+    g = [r for r in res["rows"] if (r["batch"], r["cache"], r["kind"]) == (1, cache, "generate")][0]
+    p = [p for p in res["predictions"] if (p["batch"], p["cache"]) == (1, cache)][0]
+    assert g["loop_step_fixed"] and g["loop_step_ms"] > 0 and g["loop_step_kernels"] > 0
+    assert p["realistic_source"] == "generate program" and p["composed_realistic_tps_per_seq"] > 0
+  assert g["loop_block_kernels"] >= 0
 
 
 def test_prefix_windows_shrink_in_the_bench():
@@ -121,6 +129,8 @@ def test_tiny_preset_deviceless_cuda(tmp_path):
   g = rows["generate"]
   assert g["device_loop"] and res["host_syncs_per_step"] == g["host_syncs_per_step"] == 0
   assert g["host_driven_syncs_per_step"] == 1 and 1 <= g["host_driven_syncs_per_block"] <= 3
+  # The generate program's refresh iteration holds a forward and more: at least the refresh forward's kernels.
+  assert g["loop_step_fixed"] and g["loop_entry_kernels"] >= rows["refresh"]["kernels"]
 
 
 @pytest.mark.skipif(not roofline.cuda_plugin_available(), reason="needs the CUDA plugin (pip install jax[cuda12])")
