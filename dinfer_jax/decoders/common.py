@@ -143,12 +143,37 @@ def propose(logits: jax.Array, *, mask_id: int, temperature: float = 0.0,
   z = logits.astype(jnp.float32)
   sampling = isinstance(temperature, jax.Array) or temperature > 0
   scores = z + temperature * _gumbel(rng, z.shape) if sampling else z
-  token = jnp.argmax(scores, axis=-1).astype(jnp.int32)
   vocab = jnp.arange(z.shape[-1], dtype=jnp.int32)
   # A where over the vocab iota (not .at[mask_id]) stays valid even if mask_id is outside the vocab.
   alt_scores = jnp.where(vocab == mask_id, -jnp.inf, scores)
-  alt_token = jnp.argmax(alt_scores, axis=-1).astype(jnp.int32)
-  return Proposal(token, softmax_at(z, token), alt_token, softmax_at(z, alt_token))
+  if sampling:
+    token = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+    alt_token = jnp.argmax(alt_scores, axis=-1).astype(jnp.int32)
+    return Proposal(token, softmax_at(z, token), alt_token, softmax_at(z, alt_token))
+  # Greedy: both argmaxes and their values from one pass over the logits, then one for the softmax's sum,
+  # instead of five (two argmaxes, the max, the sum, the gathers of z at the tokens): each pass reads the
+  # block's [B, L, V] fp32 logits, 0.3 GB of a batch-8 cached step. The same numbers: z at the argmax is the
+  # max, so exp(z_token - max) is exp(0) = 1 exactly as before.
+  zmax, token, alt_max, alt_token = max_and_argmax(z, alt_scores)
+  denom = jnp.sum(jnp.exp(z - zmax[..., None]), axis=-1)
+  return Proposal(token, jnp.exp(zmax - zmax) / denom, alt_token, jnp.exp(alt_max - zmax) / denom)
+
+
+def max_and_argmax(*xs: jax.Array) -> tuple[jax.Array, ...]:
+  """(max, argmax) over the last axis of each of `xs` (same shape), in one reduction: jnp.argmax's order
+  (the first index on ties, NaN wins) with its value kept. Returns max_0, argmax_0 (int32), max_1, ..."""
+  idx = jax.lax.broadcasted_iota(jnp.int32, xs[0].shape, xs[0].ndim - 1)
+
+  def pick(a, b):
+    out = []
+    for k in range(0, len(a), 2):
+      (av, ai), (bv, bi) = a[k:k + 2], b[k:k + 2]
+      take_b = (bv > av) | ((bv != bv) & (av == av)) | ((bv == av) & (bi < ai)) | ((bv != bv) & (av != av) & (bi < ai))
+      out += [jnp.where(take_b, bv, av), jnp.where(take_b, bi, ai)]
+    return tuple(out)
+  operands = tuple(o for x in xs for o in (x, idx))
+  inits = tuple(o for x in xs for o in (jnp.array(-jnp.inf, x.dtype), jnp.array(0, jnp.int32)))
+  return jax.lax.reduce(operands, inits, pick, (xs[0].ndim - 1,))
 
 
 def first_argmax(values: jax.Array, valid: jax.Array) -> jax.Array:

@@ -652,3 +652,33 @@ def test_make_decoder_and_validation():
   with pytest.raises(ValueError, match="vocab_size"):
     jstep(CreditDecoder(0.9, vocab_size=V + 1), jinit(CreditDecoder(0.9, vocab_size=V + 1),
           jnp.full((1, 2), MASK), jnp.ones((1, 2), bool)), *block([.5, .5]))
+
+
+def test_max_and_argmax_is_jnp_max_and_argmax():
+  """Ties (first index), NaN (the first NaN wins, as jnp.argmax), rows of -inf, one reduction for two inputs."""
+  rng = np.random.default_rng(0)
+  for trial in range(60):
+    V = int(rng.integers(1, 40))
+    z = rng.integers(-3, 3, size=(2, 5, V)).astype(np.float32)
+    if trial % 3 == 0:
+      z[0, 1, rng.integers(V)] = np.nan
+      z[0, 1, rng.integers(V)] = np.nan
+    if trial % 4 == 0:
+      z[1, 2, :] = -np.inf
+    y = -z
+    m0, a0, m1, a1 = common.max_and_argmax(jnp.asarray(z), jnp.asarray(y))
+    for x, m, a in ((z, m0, a0), (y, m1, a1)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(jnp.argmax(jnp.asarray(x), -1)))
+      np.testing.assert_array_equal(np.asarray(m), np.asarray(jnp.max(jnp.asarray(x), -1)))
+
+
+def test_greedy_proposal_is_the_gathered_softmax():
+  """The one-pass greedy proposal equals argmax + softmax_at bit for bit (ties included)."""
+  rng = np.random.default_rng(1)
+  z = jnp.asarray(np.round(rng.normal(size=(3, 8, 50)) * 4, 1).astype(np.float32))
+  p = common.propose(z, mask_id=7)
+  alt = jnp.argmax(jnp.where(jnp.arange(50) == 7, -jnp.inf, z), -1)
+  np.testing.assert_array_equal(np.asarray(p.token), np.asarray(jnp.argmax(z, -1)))
+  np.testing.assert_array_equal(np.asarray(p.alt_token), np.asarray(alt))
+  np.testing.assert_array_equal(np.asarray(p.conf), np.asarray(common.softmax_at(z, p.token)))
+  np.testing.assert_array_equal(np.asarray(p.alt_conf), np.asarray(common.softmax_at(z, p.alt_token)))
