@@ -23,35 +23,38 @@ def _subjaxprs(eqn):
         yield sub
 
 
-def _dots_over(jaxpr, dims: tuple[int, ...]) -> int:
-  """dot_generals anywhere under `jaxpr` with an operand whose shape holds every one of `dims`."""
+def _dots_over(jaxpr, rows_vocab: tuple[int, int]) -> int:
+  """dot_generals anywhere under `jaxpr` with a [..., rows, V] operand."""
   n = 0
   for e in jaxpr.eqns:
     if e.primitive.name == "dot_general":
-      n += any(all(d in v.aval.shape for d in dims) for v in e.invars)
-    n += sum(_dots_over(s, dims) for s in _subjaxprs(e))
+      n += any(tuple(v.aval.shape[-2:]) == rows_vocab for v in e.invars)
+    n += sum(_dots_over(s, rows_vocab) for s in _subjaxprs(e))
   return n
 
 
 def test_cached_steps_do_not_soft_embed_the_whole_canvas():
-  """Dual cache + iteration smoothing (dInfer's setting): the refresh iteration soft-embeds the whole canvas
-  ([B, Tc, V] probabilities x [V, D] table); the cached steps only their window. Before engine.loop traced
-  what its fixed branch can produce, every cached step also soft-embedded the zero full logits over the
-  canvas (at 7B-A1B an 0.8 TFLOP GEMM per step, ~1 ms on an H200, that XLA kept)."""
+  """Dual cache + iteration smoothing (dInfer's setting): the refresh iteration soft-embeds the generation
+  region ([B, Tc - C, V] probabilities x [V, D] table: the prompt holds no mask); the cached steps only their
+  window. Before engine.loop traced what its fixed branch can produce, every cached step also soft-embedded
+  the zero full logits (at 7B-A1B an 0.8 TFLOP GEMM per step, ~1 ms on an H200, that XLA kept)."""
   cfg = presets.get("tiny").model()
-  gcfg = GenerationConfig(gen_length=64, block_length=16, cache="dual", threshold=0.8, prompt_bucket=16,
+  # 5 blocks: the generation's 80 rows are neither the window's 48 nor the model's 64 features.
+  gcfg = GenerationConfig(gen_length=80, block_length=16, cache="dual", threshold=0.8, prompt_bucket=16,
                           cont_weight=0.3, prefix_look=16, after_look=16, warmup_steps=4)
   lay, static = gen_lib.prepare(cfg, [list(range(10, 26))], gcfg)
   params = jax.eval_shape(lambda: inference_params(init_params(cfg, jax.random.PRNGKey(0)), cfg))
   args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
   jx = jax.make_jaxpr(lambda p, *a: loop.run(p, *a, **static))(params, *args).jaxpr
-  canvas = (lay.grid.canvas_len, cfg.vocab_size)
-  assert lay.grid.window < lay.grid.canvas_len  # a window's soft embedding cannot pass for the canvas's
+  canvas = (lay.grid.canvas_len - lay.grid.first_block, cfg.vocab_size)
+  assert len({lay.grid.window, canvas[0], cfg.d_model}) == 3  # a window's product cannot pass for the canvas's
   blocks = [e for e in jx.eqns if e.primitive.name == "while"]
   assert len(blocks) == 1
   body = blocks[0].params["body_jaxpr"].jaxpr
   steps = [e for e in body.eqns if e.primitive.name == "while"]
-  assert _dots_over(body, canvas) >= 1  # the refresh's soft embedding: the check sees such a product
   # The last loop of the block body runs the cached steps (the first, with vicinity, the warm-up steps that
   # pick their forward at run time and may need the canvas's).
-  assert steps and _dots_over(steps[-1].params["body_jaxpr"].jaxpr, canvas) == 0
+  whole = (lay.grid.canvas_len, cfg.vocab_size)
+  assert steps and [_dots_over(steps[-1].params["body_jaxpr"].jaxpr, rows) for rows in (canvas, whole)] == [0, 0]
+  assert _dots_over(body, canvas) >= 1  # the refresh's soft embedding: the check sees such a product
+  assert _dots_over(jx, whole) == 0  # none over the prompt's rows
