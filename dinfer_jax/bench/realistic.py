@@ -549,8 +549,8 @@ def own_time(mod: Module, comp: str, ch: Charges) -> dict[str, Any]:
 
 def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, Any]:
   """Realistic time of one forward (or of any straight-line program): the bytes and FLOPs at achievable
-  peaks, corrected for the gather and the grouped GEMM's tiles, plus the kernel floors and the empty grid
-  blocks."""
+  peaks, corrected for what the cost analysis overcharges (gathers, in-place scatters, slices behind a
+  bitcast) and for the grouped GEMM's tiles, plus the kernel floors and the empty grid blocks."""
   k = kernels(mod, ch)
   gg = grouped_gemms(mod, ch)
   moved = cost["bytes"] - gather_overcount(mod) - scatter_overcount(mod) - sliced_overcount(mod)
