@@ -21,7 +21,13 @@ also charges (../reference/gpu_roofline.md has the measurements and the audit th
   on the box: the GPU check's GEMM probe would tell);
 - the embedding gather: XLA's cost analysis charges a gather the whole operand (the 644 MB table for 64 rows);
   a gather reads the rows it looks up. Likewise an in-place scatter (the cached forward's K/V write) is charged
-  its whole buffer read and written; it touches the slots it writes.
+  its whole buffer read and written; it touches the slots it writes. A fusion parameter that is only sliced
+  is charged the slice by the analysis, but the whole parameter once a bitcast stands between them;
+- the generate program as it runs: each kind of iteration costed where it lives in the compiled loop
+  (loop_parts, subprogram: the block entry with its refresh, one cached step, the block body's own kernels),
+  not as separately compiled forwards plus the decoder's work. The loop adds work a forward alone does not
+  show (a select over a forward the step never runs keeps its consumers alive) and fuses across the
+  forward's edge.
 
 Everything here is a pure function of the module text and the charges, so a test can check it on a
 hand-written module.
