@@ -308,14 +308,15 @@ def generation_config(preset: presets.Preset, cache: str, setting: str = "dinfer
 
 def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype, table=None) -> dict[str, tuple[Any, tuple]]:
   """The work of a loop iteration outside its forward, per forward kind: the decoder on the block's logits
-  and, with smoothing, the soft embeddings of the positions the forward saw (the whole canvas after a
+  and, with smoothing, the soft embeddings of the positions the forward saw (the generation region after a
   refresh, the window after a cached forward): f(table, logits, canvas, ...) as the loop runs them. table:
   the abstract embedding table as the engine holds it (an 8-bit QArray with +embed; default [V, D] dtype)."""
   grid = lay.grid
-  B, L, Tc, W, V, D = grid.batch, grid.block_len, grid.canvas_len, grid.window, cfg.vocab_size, cfg.d_model
+  B, L, W, V, D = grid.batch, grid.block_len, grid.window, cfg.vocab_size, cfg.d_model
+  G = grid.canvas_len - grid.first_block
   decoder, mask_id = static["decoder"], static["mask_id"]
   out = {}
-  kinds = (("refresh", Tc), ("cached", W)) if gcfg.cache != "none" else (("refresh", Tc),)
+  kinds = (("refresh", G), ("cached", W)) if gcfg.cache != "none" else (("refresh", G),)
   for kind, width in kinds:
     width = width if gcfg.smoothing else L
 

@@ -154,7 +154,8 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, 
 
   if mode != "block_diffusion":
     mask = ((blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]) if static["block_causal"] else valid
-    lg = {} if smoothing else {"logits_len": L}
+    # As engine.loop's full forward: the block's logits, or with smoothing the generation region's (from C).
+    lg = {"logits_len": Tc - C} if smoothing else {"logits_len": L}
     keep_kv = mode in ("prefix", "dual")  # a refresh forward's K/V go into the cache: keep them live
 
     def full_fwd(p, inp, ps, m, s):
