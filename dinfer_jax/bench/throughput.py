@@ -155,11 +155,11 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, 
   if mode != "block_diffusion":
     mask = ((blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]) if static["block_causal"] else valid
     # As engine.loop's full forward: the block's logits, or with smoothing the generation region's (from C).
-    lg = {"logits_len": Tc - C} if smoothing else {"logits_len": L}
+    full_lg = {"logits_len": Tc - C} if smoothing else {"logits_len": L}
     keep_kv = mode in ("prefix", "dual")  # a refresh forward's K/V go into the cache: keep them live
 
     def full_fwd(p, inp, ps, m, s):
-      out = forward(p, mcfg, positions=ps, mask=m, logits_start=s, **inp, **lg)
+      out = forward(p, mcfg, positions=ps, mask=m, logits_start=s, **inp, **full_lg)
       return (out.logits, out.kv) if keep_kv else out.logits
     progs["full"] = (full_fwd, (inputs(canvas), pos, mask, jnp.int32(C)))
   if mode in ("prefix", "dual", "block_diffusion"):
@@ -174,12 +174,12 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, 
     else:
       cache = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, dt, per_layer=True)
     write = jnp.ones((Bsz, W), bool)
-    lg = {} if smoothing else {"logits_len": L}
+    cached_lg = {} if smoothing else {"logits_len": L}
     keep = mode != "block_diffusion"
 
     def cached_fwd(p, inp, kv, ps, m, wm, c, s):
       out = forward(p, mcfg, positions=ps, mask=m, cache=kv, cache_start=c, write_mask=wm, logits_start=s,
-                    keep_cache=keep, **inp, **lg)
+                    keep_cache=keep, **inp, **cached_lg)
       return (out.logits, out.kv) if cache_out else out.logits
     progs["cached"] = (cached_fwd, (inputs(canvas[:, c0:c0 + W]), cache, pos[:, c0:c0 + W], valid, write,
                                     jnp.int32(c0), jnp.int32(C - c0)))
