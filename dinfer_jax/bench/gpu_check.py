@@ -169,7 +169,7 @@ def predicted(preds: list[dict[str, Any]], preset: str, setting: str, batch: int
               weights: str = "bf16") -> dict[str, Any] | None:
   """The roofline bench's rows for this preset, setting, batch and weight format (dual cache, first chip): per
   forward kind its ideal and realistic ms and the step's work outside it, and the generate program's host
-  syncs."""
+  syncs and, where the bench costed them, its own iterations (loop: block entry, cached step, block body)."""
   for res in preds:
     if res.get("preset") != preset or res.get("setting") != setting:
       continue
@@ -179,21 +179,29 @@ def predicted(preds: list[dict[str, Any]], preset: str, setting: str, batch: int
       continue
     fwd = {r["kind"]: r for r in rows if r["kind"] != "generate"}
     gen = [r for r in rows if r["kind"] == "generate"]
-    return {"fwd": fwd, "syncs_step": gen[0]["host_syncs_per_step"] if gen else 0,
-            "syncs_block": gen[0]["host_syncs_per_block"] if gen else 0, "source": res.get("command", "")}
+    g = gen[0] if gen else {}
+    loop = ({k: g[f"loop_{k}_ms"] for k in ("entry", "step", "block")}
+            if g.get("loop_step_fixed") and "loop_entry_ms" in g else None)
+    return {"fwd": fwd, "syncs_step": g.get("host_syncs_per_step", 0), "syncs_block": g.get("host_syncs_per_block", 0),
+            "loop": loop, "source": res.get("command", "")}
   return None
 
 
 def predicted_generate_s(pred: dict[str, Any], n_full: int, n_cached: int, blocks: int,
                          sync_us: float = realistic.H200.sync_us) -> dict[str, float]:
   """The prediction at the measured forward counts: ideal = forwards at their ideal roofline times;
-  realistic = forwards + the work outside them + host syncs, as the roofline bench charges them."""
+  realistic = as the roofline bench charges it: the generate program's own iterations where it costed them
+  (each full forward's iteration at the block entry's cost, each cached one at the step's, plus each block
+  body's own work), else the forwards + the work outside them (composed_realistic_s either way); + host
+  syncs."""
   f = pred["fwd"]
   ideal = 1e-3 * (n_full * f["refresh"]["roofline_ms"] + n_cached * f["cached"]["roofline_ms"])
-  real = 1e-3 * (n_full * (f["refresh"]["realistic_ms"] + f["refresh"]["step_ms"])
-                 + n_cached * (f["cached"]["realistic_ms"] + f["cached"]["step_ms"]))
-  real += 1e-6 * sync_us * ((n_full + n_cached) * pred["syncs_step"] + blocks * pred["syncs_block"])
-  return {"ideal_s": ideal, "realistic_s": real}
+  composed = 1e-3 * (n_full * (f["refresh"]["realistic_ms"] + f["refresh"]["step_ms"])
+                     + n_cached * (f["cached"]["realistic_ms"] + f["cached"]["step_ms"]))
+  loop = pred.get("loop")
+  real = composed if not loop else 1e-3 * (n_full * loop["entry"] + n_cached * loop["step"] + blocks * loop["block"])
+  syncs = 1e-6 * sync_us * ((n_full + n_cached) * pred["syncs_step"] + blocks * pred["syncs_block"])
+  return {"ideal_s": ideal, "realistic_s": real + syncs, "composed_realistic_s": composed + syncs}
 
 
 # ----------------------------------------------------------------------------- the check

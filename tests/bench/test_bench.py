@@ -218,7 +218,15 @@ def test_committed_predictions_cover_the_gpu_check():
         assert 0 < f["roofline_ms"] < f["realistic_ms"] and f["step_ms"] > 0 and f["kernels"] > 0
       assert p["syncs_step"] == 0  # compiled with the device-driven loop
       t = gpu_check.predicted_generate_s(p, 16, 1008, 16)
-      assert 0 < t["ideal_s"] < t["realistic_s"]
+      assert 0 < t["ideal_s"] < t["realistic_s"] and t["ideal_s"] < t["composed_realistic_s"]
+      # From the generate program's own iterations where the bench costed them (the dInfer setting's file),
+      # as the bench's realistic figure; else composed from the forwards.
+      assert p["loop"] is not None or setting == "threshold"
+      if p["loop"]:
+        assert t["realistic_s"] == pytest.approx(
+            1e-3 * (16 * p["loop"]["entry"] + 1008 * p["loop"]["step"] + 16 * p["loop"]["block"]))
+      else:
+        assert t["realistic_s"] == t["composed_realistic_s"]
   # The 8-bit items (--weights fp8,int8) have theirs too: the threshold setting at batch 1 and 8, cheaper
   # cached forwards than bf16's.
   for w in ("int8", "fp8"):
@@ -293,3 +301,24 @@ def test_gpu_check_moe_impl_flag_reaches_the_model_config():
   assert gpu_check.shapes(argparse.Namespace(tiny=True, moe_impl="auto"))["cfg"].moe_impl == "auto"
   with pytest.raises(SystemExit):
     gpu_check.main(["--tiny", "--moe-impl", "nope"])
+
+
+@pytest.mark.parametrize("cont_weight", [0.0, 0.3])
+def test_forward_programs_take_the_engines_logits(cont_weight):
+  """The benched forwards have the engine loop's logits: the block's, or with smoothing the refresh's over
+  the generation region (from the first block: the prompt holds no mask) and the cached one's over its window."""
+  import jax
+  import jax.numpy as jnp
+
+  from dinfer_jax.bench import presets, roofline
+  cfg = presets.get("tiny").model()
+  gcfg = GenerationConfig(gen_length=64, block_length=16, cache="dual", threshold=0.8, prompt_bucket=16,
+                          cont_weight=cont_weight)
+  lay, static = gen_lib.prepare(cfg, [list(range(10, 30))], gcfg)
+  grid = lay.grid
+  params = roofline.abstract_inference_params(cfg, jnp.float32)
+  shapes = {k: jax.eval_shape(f, params, *args)[0].shape[1] for k, (f, args) in throughput.forward_programs(
+      cfg, gcfg, lay, static, abstract_dtype=jnp.float32, cache_out=True).items()}
+  want = ({"full": grid.canvas_len - grid.first_block, "cached": grid.window} if cont_weight
+          else {"full": grid.block_len, "cached": grid.block_len})
+  assert grid.first_block > 0 and shapes == want
