@@ -511,6 +511,38 @@ def subprogram(text: str, comp: str) -> str:
   return "\n".join(out) + "\n"
 
 
+def conditionals(mod: Module, comp: str) -> list[tuple[str, list[str]]]:
+  """The conditionals `comp` itself runs: (instruction name, branch computations in index order; a
+  predicate's are true, false)."""
+  return [(name, branches(rest)) for name, _, op, rest in mod.comps.get(comp, []) if op == "conditional"]
+
+
+def specialize(text: str, comp: str, cond: str, index: int) -> str:
+  """The module text with conditional `cond` (in computation `comp`) replaced by a call of its branch
+  `index` on that branch's operand: the program as it runs when that branch is taken, for costing a
+  conditional by how often each branch runs (a cost analysis takes the most expensive branch, and a
+  kernel count every branch)."""
+  out, cur, done = [], None, False
+  for line in text.splitlines():
+    h = _HEADER.match(line)
+    if h:
+      cur = h.group(2)
+    m = _INSTR.match(line)
+    if cur == comp and m and m.group(1) == cond and m.group(3) == "conditional":
+      rest = m.group(4)
+      names = _operand_names(rest)
+      brs = branches(rest)
+      if not 0 <= index < len(brs):
+        raise ValueError(f"specialize: conditional {cond} has {len(brs)} branches, no branch {index}")
+      head = line[:line.index(" conditional(")]
+      line = f"{head} call(%{names[1 + index]}), to_apply=%{brs[index]}"
+      done = True
+    out.append(line)
+  if not done:
+    raise ValueError(f"specialize: no conditional named {cond!r} in computation {comp!r}")
+  return "\n".join(out) + "\n"
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopParts:
   """Where one iteration of each kind lives in the generate program (engine.loop): the block loop's body;

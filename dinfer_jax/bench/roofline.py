@@ -421,6 +421,9 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     text = compiled_text(compiled)
     mc = ModuleCost(text)
     syncs = realistic.host_syncs(realistic.Module(text))
+    # Smoothing's block entry takes the LM head over one of a few widths per block (engine.loop).
+    entry_shares = (iteration.block_shares(iteration.tail_widths(Tc - grid.first_block, L), Tc - grid.first_block, L)
+                    if gcfg.smoothing else None)
     # With WHILE and CONDITIONAL command buffers XLA runs the loops and conditionals as CUDA-graph conditional
     # nodes (captured when the executable loads on a GPU: a deviceless compile cannot show it), unless the loop
     # calls the host.
@@ -432,28 +435,48 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
                  "device_loop": device_loop, "host_syncs_per_step": 0 if device_loop else syncs.per_step,
                  "host_syncs_per_block": 0 if device_loop else syncs.per_block,
                  "host_driven_syncs_per_step": syncs.per_step, "host_driven_syncs_per_block": syncs.per_block,
-                 "host_driven_syncs_per_step_max": syncs.per_step_max, **loop_costs(text, charges)})
+                 "host_driven_syncs_per_step_max": syncs.per_step_max, **loop_costs(text, charges, entry_shares)})
   return rows
 
 
-def loop_costs(text: str, charges: realistic.Charges) -> dict[str, Any]:
+def loop_costs(text: str, charges: realistic.Charges,
+               entry_shares: tuple[float, ...] | None = None) -> dict[str, Any]:
   """The generate program's own iterations, costed where they run (realistic.loop_parts): the block-entry
   iteration (refresh forward + decoder + smoothing, as the block body runs it), one step of the step loop and
   the block body's own bookkeeping. These see what composing separately compiled forwards cannot: work the
   loop adds or fails to drop around the forward (the dead soft embedding of engine.loop's fix), copies
-  between the loop carries, fusion across the forward's edge. Empty without a data-dependent block loop."""
+  between the loop carries, fusion across the forward's edge. Empty without a data-dependent block loop.
+
+  entry_shares: where the block entry runs a conditional of its own (smoothing's LM head over the rows from
+  the block on, in bucketed widths: engine.loop), how often each branch runs (iteration.block_shares); the
+  entry is costed as each branch runs it, weighted by those shares."""
   mod = realistic.Module(text)
   parts = realistic.loop_parts(mod)
   if parts is None or parts.step is None:
     return {}
   out: dict[str, Any] = {"loop_step_fixed": parts.step_fixed}
+
+  def cost(t: str, comp: str) -> dict[str, Any]:
+    sub = realistic.subprogram(t, comp)
+    return realistic.forward_time(ModuleCost(sub).total(), realistic.Module(sub), charges)
+
   for name, comp in (("entry", parts.entry), ("step", parts.step)):
     if comp is None:
       continue
-    sub = realistic.subprogram(text, comp)
-    t = realistic.forward_time(ModuleCost(sub).total(), realistic.Module(sub), charges)
-    out.update({f"loop_{name}_ms": 1e3 * t["realistic_s"], f"loop_{name}_kernels": t["kernels"],
-                f"loop_{name}_bytes": t["realistic_bytes"], f"loop_{name}_flops": t["realistic_flops"]})
+    conds = realistic.conditionals(mod, comp) if name == "entry" else []
+    if not conds:
+      runs = [(1.0, cost(text, comp))]
+    else:
+      if len(conds) > 1 or entry_shares is None or len(entry_shares) != len(conds[0][1]):
+        raise ValueError(f"loop_costs: the block entry runs conditionals {[(c, len(b)) for c, b in conds]} "
+                         f"(name, branches); entry_shares gives {entry_shares!r}: one share per branch of one")
+      cond, _ = conds[0]
+      runs = [(w, cost(realistic.specialize(text, comp, cond, i), comp)) for i, w in enumerate(entry_shares)]
+      out["loop_entry_branch_ms"] = [1e3 * t["realistic_s"] for _, t in runs]
+    out.update({f"loop_{name}_ms": 1e3 * sum(w * t["realistic_s"] for w, t in runs),
+                f"loop_{name}_kernels": sum(w * t["kernels"] for w, t in runs),
+                f"loop_{name}_bytes": sum(w * t["realistic_bytes"] for w, t in runs),
+                f"loop_{name}_flops": sum(w * t["realistic_flops"] for w, t in runs)})
   own = realistic.own_time(mod, parts.block, charges)
   out.update({"loop_block_ms": 1e3 * own["realistic_s"], "loop_block_kernels": own["kernels"]})
   return out

@@ -66,6 +66,21 @@ def prefix_window_index(s: jax.Array, *, widths: tuple[int, ...], gen_end: int) 
   return (jnp.sum(jnp.asarray(widths) >= gen_end - s) - 1).astype(jnp.int32)
 
 
+def tail_widths(gen_len: int, block_len: int) -> tuple[int, ...]:
+  """Bucketed widths of the rows a full forward under smoothing takes through the LM head and the soft
+  embedding: the block and every row after it, [gen_len - width, gen_len) of the generation region (the rows
+  before hold no mask), in prefix_windows' widths (prefix_window_index picks one per block)."""
+  return prefix_windows(gen_len // block_len, block_len)
+
+
+def block_shares(widths: tuple[int, ...], gen_len: int, block_len: int) -> tuple[float, ...]:
+  """The share of a generation's blocks that take each of `widths` (prefix_window_index's pick for the
+  block starting at each multiple of block_len): how often each branch of a per-block choice of width runs."""
+  n = -(-gen_len // block_len)
+  picks = [sum(w >= gen_len - k * block_len for w in widths) - 1 for k in range(n)]
+  return tuple(picks.count(i) / n for i in range(len(widths)))
+
+
 def prefix_window_start(s: jax.Array, width: int, canvas_len: int) -> jax.Array:
   """c0 of a prefix window of this width: at the block start, or moved left to stay on the canvas (the
   extra positions are recomputed as queries; their keys stay the cached ones, see cached_window)."""

@@ -28,7 +28,7 @@ from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.layout import Grid
 from dinfer_jax.model import quant
 from dinfer_jax.model.layers import slice_rows, update_rows
-from dinfer_jax.model.transformer import forward
+from dinfer_jax.model.transformer import forward, lm_head
 from dinfer_jax.sharding import CACHE_AXES, CANVAS_AXES, EMBED_AXES, ROW_AXES, shard, shard_rows
 
 
@@ -182,14 +182,15 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
     full_mask = valid
 
   def full_forward(st, s, rows_refresh):
-    """Whole-canvas forward; refresh rows take its K/V into their cache."""
+    """Whole-canvas forward; refresh rows take its K/V into their cache. Returns the block's logits, or with
+    smoothing the final-normed rows of the generation region [C, Tc): step_body takes the rows from the
+    block on through the LM head (the prompt holds no mask, nor do the blocks before this one)."""
     inp = {"embeds": st["emb"]} if smoothing else {"tokens": st["canvas"]}
-    # Smoothing soft-embeds every masked position, and none is in the prompt (before C): the LM head and the
-    # soft embedding skip it (a fifth of both at 7B-A1B's 256 + 1024, ~3 ms of a batch-8 refresh).
     lg = {"logits_start": C, "logits_len": Tc - C} if smoothing else {"logits_start": s, "logits_len": L}
-    out = forward(params, mcfg, positions=positions, mask=full_mask, kv_layers=cached_mode, **inp, **lg)
+    out = forward(params, mcfg, positions=positions, mask=full_mask, kv_layers=cached_mode, head=not smoothing,
+                  **inp, **lg)
     new_cache = cache_lib.select_rows(rows_refresh, out.kv, st["cache"]) if cached_mode else None
-    return out.logits, new_cache
+    return (out.hidden if smoothing else out.logits), new_cache
 
   def window_forward(st, s, c0, width, key_mask, write):
     """Forward of the canvas window [c0, c0 + width) over the cache; fresh K/V where `write`. Prefix and
@@ -284,7 +285,8 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
       nb = dict(b)
 
       V = mcfg.vocab_size
-      full_shape = (Bsz, Tc - C if smoothing else L, V)
+      full_zeros = (jnp.zeros((Bsz, Tc - C, mcfg.d_model), table.dtype) if smoothing
+                    else jnp.zeros((Bsz, L, V), jnp.float32))
       win_shape = (Bsz, W if smoothing else L, V)
       can_full, can_cached = mode != "block_diffusion", cached_mode
 
@@ -297,7 +299,7 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
           if do_full:
             fl, cache = full_forward(b, s, refresh_rows)
           else:
-            fl, cache = jnp.zeros(full_shape, jnp.float32), b.get("cache")
+            fl, cache = full_zeros, b.get("cache")
           if not can_cached:
             return fl, cache
           # The cached forward reads the cache as refreshed by this iteration's full forward (a refreshing
@@ -332,51 +334,78 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
       may_full = can_full and (branch is None or branch[0])
       may_cached = can_cached and (branch is None or branch[1] is not None)
       if can_cached:
-        full_logits, _, cached_logits, c0, write = outs
+        full_out, _, cached_logits, c0, write = outs
         nb["cache"] = outs[1]
       else:
-        (full_logits, _), cached_logits, c0, write = outs, None, None, None
-
-      # The block's logits per row, from whichever forward the row took.
-      if smoothing:
-        full_blk = slice_rows(full_logits, s - C, L)
-        cached_blk = None if cached_logits is None else slice_rows(cached_logits, s - c0, L)
-      else:
-        full_blk, cached_blk = full_logits, cached_logits
-      if not may_cached:
-        logits = full_blk
-      elif not may_full:
-        logits = cached_blk
-      else:
-        logits = jnp.where(use_full[:, None, None], full_blk, cached_blk)
+        (full_out, _), cached_logits, c0, write = outs, None, None, None
 
       thr = iteration.step_threshold(b["n"], gcfg, knobs["threshold"])
       keys = jax.vmap(jax.random.fold_in)(row_keys, b["n"])
-      tokens = blk(b["canvas"])
-      new_tokens, committed, new_dec = _decode_rows(decoder, b["dec"], logits, tokens, maskable, thr, keys,
-                                                    mask_id=mask_id, temperature=temperature)
-      committed = committed & active[:, None]
-      new_tokens = jnp.where(active[:, None], new_tokens, tokens)
-      nb["dec"] = _where_rows(active, new_dec, b["dec"])
-      nb["canvas"] = update_rows(b["canvas"], new_tokens, s)
-      step_idx = b["n"] + 1  # this forward's 1-based index for the row
-      commit_blk = jnp.where(committed, step_idx[:, None], blk(b["commit"]))
-      nb["commit"] = update_rows(b["commit"], commit_blk, s)
+      w = iteration.smooth_weight(b["n"], knobs["cont_weight"]) if smoothing else None
 
-      if smoothing:
-        w = iteration.smooth_weight(b["n"], knobs["cont_weight"])
-        masked_now = nb["canvas"] == mask_id
-        emb = b["emb"]
-        if may_full:
-          soft_full = iteration.soft_embed(table, nb["canvas"][:, C:], full_logits, masked_now[:, C:], w)
-          emb = emb.at[:, C:].set(jnp.where(use_full[:, None, None], soft_full, emb[:, C:]))
-        if may_cached:
-          wtok = slice_rows(nb["canvas"], c0, W)
-          soft_win = iteration.soft_embed(table, wtok, cached_logits, wtok == mask_id, w)
-          old_win = slice_rows(emb, c0, W)
-          upd = use_cached[:, None, None] & write[:, :, None]
-          emb = update_rows(emb, jnp.where(upd, soft_win, old_win), c0)
-        nb["emb"] = emb
+      def decode(b, full_logits, f0):
+        """The iteration after its forwards: decode the block, commit, and (smoothing) soft-embed what is
+        still masked. full_logits: the full forward's logits of canvas rows [f0, Tc) with smoothing (of the
+        block without)."""
+        nb = {}
+        # The block's logits per row, from whichever forward the row took.
+        if smoothing:
+          full_blk = None if full_logits is None else slice_rows(full_logits, s - f0, L)
+          cached_blk = None if cached_logits is None else slice_rows(cached_logits, s - c0, L)
+        else:
+          full_blk, cached_blk = full_logits, cached_logits
+        if not may_cached:
+          logits = full_blk
+        elif not may_full:
+          logits = cached_blk
+        else:
+          logits = jnp.where(use_full[:, None, None], full_blk, cached_blk)
+
+        tokens = blk(b["canvas"])
+        new_tokens, committed, new_dec = _decode_rows(decoder, b["dec"], logits, tokens, maskable, thr, keys,
+                                                      mask_id=mask_id, temperature=temperature)
+        committed = committed & active[:, None]
+        new_tokens = jnp.where(active[:, None], new_tokens, tokens)
+        nb["dec"] = _where_rows(active, new_dec, b["dec"])
+        nb["canvas"] = update_rows(b["canvas"], new_tokens, s)
+        step_idx = b["n"] + 1  # this forward's 1-based index for the row
+        commit_blk = jnp.where(committed, step_idx[:, None], blk(b["commit"]))
+        nb["commit"] = update_rows(b["commit"], commit_blk, s)
+
+        if smoothing:
+          masked_now = nb["canvas"] == mask_id
+          emb = b["emb"]
+          if may_full:
+            soft_full = iteration.soft_embed(table, nb["canvas"][:, f0:], full_logits, masked_now[:, f0:], w)
+            emb = emb.at[:, f0:].set(jnp.where(use_full[:, None, None], soft_full, emb[:, f0:]))
+          if may_cached:
+            wtok = slice_rows(nb["canvas"], c0, W)
+            soft_win = iteration.soft_embed(table, wtok, cached_logits, wtok == mask_id, w)
+            old_win = slice_rows(emb, c0, W)
+            upd = use_cached[:, None, None] & write[:, :, None]
+            emb = update_rows(emb, jnp.where(upd, soft_win, old_win), c0)
+          nb["emb"] = emb
+        return nb
+
+      if not (smoothing and may_full):
+        nb.update(decode(b, full_out if may_full else None, s))
+      else:
+        # The LM head and the soft embedding over the rows from the block on, [Tc - width, Tc) in the
+        # narrowest of a few bucketed widths that holds them (iteration.tail_widths: 10.75 of 16 blocks on
+        # average): the blocks before hold no mask, their embeddings are already their tokens'. Both are
+        # [rows, V] x [V, D] products, a third of a batch-8 refresh at 7B-A1B. Only where every row runs the
+        # full forward (the block entry, no cache) and shares the block; the step's other iterations keep
+        # one width, so no conditional is added to them.
+        starts = (C,)
+        if not may_cached and jnp.ndim(s) == 0:
+          starts = tuple(Tc - wd for wd in iteration.tail_widths(Tc - C, L))
+        branches = [lambda bb, f0=f0: decode(bb, lm_head(params, full_out[:, f0 - C:]), f0) for f0 in starts]
+        rest = {k: v for k, v in b.items() if k != "cache"}  # the cache stays out of the conditional
+        if len(starts) == 1:
+          nb.update(branches[0](rest))
+        else:
+          tail = iteration.prefix_window_index(s, widths=tuple(Tc - f0 for f0 in starts), gen_end=Tc)
+          nb.update(jax.lax.switch(tail, branches, rest))
 
       nb["iters"] = b["iters"] + 1
       nb["n"] = b["n"] + active.astype(jnp.int32)

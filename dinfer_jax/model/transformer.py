@@ -23,9 +23,10 @@ from dinfer_jax.sharding import current_mesh, shard
 
 
 class ForwardOut(NamedTuple):
-  logits: jax.Array  # [B, T', V] fp32
+  logits: jax.Array | None  # [B, T', V] fp32 (None with head=False)
   kv: KVCache  # stacked [n_layers, B, S, K, H] or per layer: the K/V attended to (keep_cache: the cache,
   # its window slots rewritten)
+  hidden: jax.Array | None = None  # head=False: [B, T', D] the final-normed rows the LM head would take
 
 
 def _joint_qk(lp: dict) -> bool:
@@ -110,7 +111,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
             cache_start: jax.Array | int | None = None, write_mask: jax.Array | None = None,
             logits_start: jax.Array | int = 0, logits_len: int | None = None,
             moe_impl: str | None = None, unroll_layers: bool = True, remat: bool = False,
-            kv_layers: bool = False, keep_cache: bool = False) -> ForwardOut:
+            kv_layers: bool = False, keep_cache: bool = False, head: bool = True) -> ForwardOut:
   """Pure forward.
 
   Args:
@@ -139,6 +140,9 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
       forward, 2.7 GB at batch 8). The caller must use the returned kv in place of the input (donate the
       input, or carry it in a loop). The written slots are not put back: the engine's cached forwards
       rewrite the same slots before every read until the next refresh rewrites them all (engine.loop).
+    head: False stops before the LM head and returns the final-normed rows (ForwardOut.hidden) for the
+      caller to take fewer of them through lm_head (the engine's refresh under smoothing: only the rows
+      from the block on, whose count changes with the block).
   Returns:
     ForwardOut(logits [B, T', V] fp32, kv of every layer: what the forward attended to, or with
     keep_cache the cache it was given).
@@ -210,6 +214,13 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
   x = rms_norm(x, params["final_norm"], cfg.rms_eps) if xn is None else params["final_norm"].astype(dt) * xn
   if logits_len is not None:
     x = slice_rows(x, logits_start, logits_len)
-  # Logits in fp32: decoding confidences and thresholds are computed from them.
+  if not head:
+    return ForwardOut(logits=None, kv=kv, hidden=x)
+  return ForwardOut(logits=lm_head(params, x), kv=kv)
+
+
+def lm_head(params: dict, x: jax.Array) -> jax.Array:
+  """[B, T, D] final-normed rows -> [B, T, V] logits, in fp32: decoding confidences and thresholds are
+  computed from them."""
   logits = quant.einsum("BTD,DV->BTV", x, params["lm_head"], preferred_element_type=jnp.float32)
-  return ForwardOut(logits=shard(logits, ("act_batch", "act_len", "vocab")), kv=kv)
+  return shard(logits, ("act_batch", "act_len", "vocab"))

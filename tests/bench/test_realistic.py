@@ -443,3 +443,55 @@ def test_bad_charges():
     realistic.Charges(hbm_bytes_per_s=0)
   with pytest.raises(ValueError, match="Charges.sync_us"):
     realistic.Charges(sync_us=-1)
+
+
+# The block entry of a smoothing program (engine.loop): the refresh runs its forward (one fusion) and then one
+# of two widths of the LM head + soft embedding, picked per block by a conditional: 3 kernels wide, 1 narrow.
+_GENERATE_TAIL = _GENERATE.replace("""%refresh (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_a
+  %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_b
+  ROOT %d = f32[8]{0} fusion(%b), kind=kLoop, calls=%fused_a
+}""", """%wide (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_a
+  %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_b
+  ROOT %d = f32[8]{0} fusion(%b), kind=kLoop, calls=%fused_a
+}
+
+%narrow (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  ROOT %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_b
+}
+
+%refresh (c: f32[8]) -> f32[8] {
+  %c = f32[8]{0} parameter(0)
+  %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_a
+  %i = s32[] constant(1)
+  ROOT %r = f32[8]{0} conditional(%i, %a, %a), branch_computations={%wide, %narrow}
+}""")
+
+
+def test_block_entry_is_costed_by_how_often_each_branch_runs():
+  """A conditional of the block entry costs each branch as often as it runs: by hand, the wide branch's entry
+  is 1 + 3 kernels, the narrow one's 1 + 1, each launched alone (2.5 us: no run of 5 between the control
+  flow); at shares 3/4 and 1/4 that is 3.5 kernels and 8.75 us (the 64-byte fusions' bytes are 1e-11 s).
+  Costed as the cost analysis and the kernel count see the conditional, it would be 5 kernels, 12.5 us."""
+  mod = realistic.Module(_GENERATE_TAIL)
+  parts = realistic.loop_parts(mod)
+  assert parts.entry == "refresh" and realistic.conditionals(mod, "refresh") == [("r", ["wide", "narrow"])]
+  narrow = realistic.specialize(_GENERATE_TAIL, "refresh", "r", 1)
+  assert "ROOT %r = f32[8]{0} call(%a), to_apply=%narrow" in narrow
+  assert realistic.kernels(realistic.Module(realistic.subprogram(narrow, "refresh")), realistic.H200).total == 2
+  assert realistic.kernels(realistic.Module(realistic.subprogram(_GENERATE_TAIL, "refresh")), realistic.H200).total == 5
+  out = roofline.loop_costs(_GENERATE_TAIL, realistic.H200, entry_shares=(0.75, 0.25))
+  assert out["loop_entry_kernels"] == pytest.approx(3.5)
+  assert out["loop_entry_ms"] == pytest.approx(8.75e-3, rel=1e-3)
+  assert out["loop_entry_branch_ms"] == pytest.approx([10e-3, 5e-3], rel=1e-3)
+  # Without the shares the entry's cost is unknown: a clear error, not the most expensive branch.
+  with pytest.raises(ValueError, match="entry_shares"):
+    roofline.loop_costs(_GENERATE_TAIL, realistic.H200)
+  with pytest.raises(ValueError, match="no conditional named 'q'"):
+    realistic.specialize(_GENERATE_TAIL, "refresh", "q", 0)
+  with pytest.raises(ValueError, match="no branch 2"):
+    realistic.specialize(_GENERATE_TAIL, "refresh", "r", 2)

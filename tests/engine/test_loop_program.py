@@ -8,6 +8,7 @@ from jax.extend import core as jcore
 
 from dinfer_jax.bench import presets
 from dinfer_jax.engine import generate as gen_lib
+from dinfer_jax.engine import iteration
 from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.generate import inference_params
@@ -33,11 +34,7 @@ def _dots_over(jaxpr, rows_vocab: tuple[int, int]) -> int:
   return n
 
 
-def test_cached_steps_do_not_soft_embed_the_whole_canvas():
-  """Dual cache + iteration smoothing (dInfer's setting): the refresh iteration soft-embeds the generation
-  region ([B, Tc - C, V] probabilities x [V, D] table: the prompt holds no mask); the cached steps only their
-  window. Before engine.loop traced what its fixed branch can produce, every cached step also soft-embedded
-  the zero full logits (at 7B-A1B an 0.8 TFLOP GEMM per step, ~1 ms on an H200, that XLA kept)."""
+def _smoothing_program():
   cfg = presets.get("tiny").model()
   # 5 blocks: the generation's 80 rows are neither the window's 48 nor the model's 64 features.
   gcfg = GenerationConfig(gen_length=80, block_length=16, cache="dual", threshold=0.8, prompt_bucket=16,
@@ -45,7 +42,42 @@ def test_cached_steps_do_not_soft_embed_the_whole_canvas():
   lay, static = gen_lib.prepare(cfg, [list(range(10, 26))], gcfg)
   params = jax.eval_shape(lambda: inference_params(init_params(cfg, jax.random.PRNGKey(0)), cfg))
   args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
-  jx = jax.make_jaxpr(lambda p, *a: loop.run(p, *a, **static))(params, *args).jaxpr
+  return cfg, lay, jax.make_jaxpr(lambda p, *a: loop.run(p, *a, **static))(params, *args).jaxpr
+
+
+def _conds_outside_loops(jaxpr):
+  """The cond/switch equations under `jaxpr`, not inside its while loops."""
+  for e in jaxpr.eqns:
+    if e.primitive.name == "cond":
+      yield e
+    if e.primitive.name != "while":
+      for s in _subjaxprs(e):
+        yield from _conds_outside_loops(s)
+
+
+def test_refresh_takes_the_rows_from_the_block_on():
+  """With smoothing the block entry's LM head and soft embedding take the block and the rows after it, in the
+  narrowest of the bucketed widths that holds them (80 rows of 5 blocks: 80, 48, 32, 16), not the whole
+  generation at every block: the rows before hold no mask. Exactness: the golden traces with smoothing."""
+  cfg, lay, jx = _smoothing_program()
+  G = lay.grid.canvas_len - lay.grid.first_block
+  widths = iteration.tail_widths(G, 16)
+  assert widths == (80, 48, 32, 16)
+  assert iteration.block_shares(widths, G, 16) == (0.4, 0.2, 0.2, 0.2)  # blocks 0-1, 2, 3, 4
+  body = [e for e in jx.eqns if e.primitive.name == "while"][0].params["body_jaxpr"].jaxpr
+  tails = [e for e in _conds_outside_loops(body) if len(e.params["branches"]) == len(widths)]
+  assert len(tails) == 1
+  for i, br in enumerate(tails[0].params["branches"]):
+    # Its soft embedding takes [w, V] probabilities, and no branch a wider one.
+    assert [_dots_over(br.jaxpr, (w, cfg.vocab_size)) >= 1 for w in widths] == [j == i for j in range(4)]
+
+
+def test_cached_steps_do_not_soft_embed_the_whole_canvas():
+  """Dual cache + iteration smoothing (dInfer's setting): the refresh iteration soft-embeds the generation
+  region ([B, Tc - C, V] probabilities x [V, D] table: the prompt holds no mask); the cached steps only their
+  window. Before engine.loop traced what its fixed branch can produce, every cached step also soft-embedded
+  the zero full logits (at 7B-A1B an 0.8 TFLOP GEMM per step, ~1 ms on an H200, that XLA kept)."""
+  cfg, lay, jx = _smoothing_program()
   canvas = (lay.grid.canvas_len - lay.grid.first_block, cfg.vocab_size)
   assert len({lay.grid.window, canvas[0], cfg.d_model}) == 3  # a window's product cannot pass for the canvas's
   blocks = [e for e in jx.eqns if e.primitive.name == "while"]
