@@ -300,7 +300,9 @@ def _combine_norm_kernel(ys_ref, dest_ref, w_ref, x_ref, xo_ref, n_ref, *, k: in
 def combine_rows(ys: jax.Array, dest: jax.Array, w: jax.Array) -> jax.Array:
   """XLA's combine: token t's output is sum_i w[t, i] ys[dest[t, i]] in fp32 (slot order), [T, D] fp32 for
   dest / w [T, k]."""
-  return sum(ys[dest[:, i]].astype(jnp.float32) * w[:, i, None] for i in range(w.shape[1]))
+  # One gather-multiply-reduce over the k rows, not k column slices of dest and w (XLA launches each slice
+  # as a kernel of its own).
+  return jnp.sum(ys[dest].astype(jnp.float32) * w[..., None].astype(jnp.float32), axis=1)
 
 
 def combine_normalize(ys: jax.Array, dest: jax.Array, w: jax.Array, x: jax.Array, eps: float, *,
