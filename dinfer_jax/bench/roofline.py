@@ -421,9 +421,12 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     text = compiled_text(compiled)
     mc = ModuleCost(text)
     syncs = realistic.host_syncs(realistic.Module(text))
-    # Smoothing's block entry takes the LM head over one of a few widths per block (engine.loop).
-    entry_shares = (iteration.block_shares(iteration.tail_widths(Tc - grid.first_block, L), Tc - grid.first_block, L)
-                    if gcfg.smoothing else None)
+    # Smoothing's full forwards take the LM head over one of a few widths per block (engine.loop): the block
+    # entry's, and without a cache every step's.
+    shares = {}
+    if gcfg.smoothing:
+      G = Tc - grid.first_block
+      shares["entry"] = shares["step"] = iteration.block_shares(iteration.tail_widths(G, L), G, L)
     # With WHILE and CONDITIONAL command buffers XLA runs the loops and conditionals as CUDA-graph conditional
     # nodes (captured when the executable loads on a GPU: a deviceless compile cannot show it), unless the loop
     # calls the host.
@@ -435,21 +438,23 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
                  "device_loop": device_loop, "host_syncs_per_step": 0 if device_loop else syncs.per_step,
                  "host_syncs_per_block": 0 if device_loop else syncs.per_block,
                  "host_driven_syncs_per_step": syncs.per_step, "host_driven_syncs_per_block": syncs.per_block,
-                 "host_driven_syncs_per_step_max": syncs.per_step_max, **loop_costs(text, charges, entry_shares)})
+                 "host_driven_syncs_per_step_max": syncs.per_step_max, **loop_costs(text, charges, shares)})
   return rows
 
 
 def loop_costs(text: str, charges: realistic.Charges,
-               entry_shares: tuple[float, ...] | None = None) -> dict[str, Any]:
+               shares: dict[str, tuple[float, ...]] | None = None) -> dict[str, Any]:
   """The generate program's own iterations, costed where they run (realistic.loop_parts): the block-entry
   iteration (refresh forward + decoder + smoothing, as the block body runs it), one step of the step loop and
   the block body's own bookkeeping. These see what composing separately compiled forwards cannot: work the
   loop adds or fails to drop around the forward (the dead soft embedding of engine.loop's fix), copies
   between the loop carries, fusion across the forward's edge. Empty without a data-dependent block loop.
 
-  entry_shares: where the block entry runs a conditional of its own (smoothing's LM head over the rows from
-  the block on, in bucketed widths: engine.loop), how often each branch runs (iteration.block_shares); the
-  entry is costed as each branch runs it, weighted by those shares."""
+  shares: for a part ("entry", "step") whose iteration runs a conditional chosen once per block (smoothing's
+  LM head over the rows from the block on, in bucketed widths: engine.loop), how often each branch runs
+  (iteration.block_shares); that part is costed as each branch runs it, weighted by those shares, and a step
+  loop whose only conditional is such a choice is one iteration of a known kind (loop_step_fixed)."""
+  shares = shares or {}
   mod = realistic.Module(text)
   parts = realistic.loop_parts(mod)
   if parts is None or parts.step is None:
@@ -463,20 +468,26 @@ def loop_costs(text: str, charges: realistic.Charges,
   for name, comp in (("entry", parts.entry), ("step", parts.step)):
     if comp is None:
       continue
-    conds = realistic.conditionals(mod, comp) if name == "entry" else []
+    conds = realistic.conditionals(mod, comp)
+    if name == "step" and (name not in shares or not conds):
+      conds = []  # a step that picks its forward per iteration: loop_step_fixed says it is not of one kind
     if not conds:
       runs = [(1.0, cost(text, comp))]
     else:
-      if len(conds) > 1 or entry_shares is None or len(entry_shares) != len(conds[0][1]):
-        raise ValueError(f"loop_costs: the block entry runs conditionals {[(c, len(b)) for c, b in conds]} "
-                         f"(name, branches); entry_shares gives {entry_shares!r}: one share per branch of one")
-      cond, _ = conds[0]
-      runs = [(w, cost(realistic.specialize(text, comp, cond, i), comp)) for i, w in enumerate(entry_shares)]
-      out["loop_entry_branch_ms"] = [1e3 * t["realistic_s"] for _, t in runs]
-    out.update({f"loop_{name}_ms": 1e3 * sum(w * t["realistic_s"] for w, t in runs),
-                f"loop_{name}_kernels": sum(w * t["kernels"] for w, t in runs),
-                f"loop_{name}_bytes": sum(w * t["realistic_bytes"] for w, t in runs),
-                f"loop_{name}_flops": sum(w * t["realistic_flops"] for w, t in runs)})
+      w = shares.get(name)
+      if len(conds) > 1 or w is None or len(w) != len(conds[0][1]):
+        raise ValueError(f"loop_costs: the {name} runs conditionals {[(c, len(b)) for c, b in conds]} "
+                         f"(name, branches); shares gives {w!r}: one share per branch of one")
+      cond, brs = conds[0]
+      if name == "step":
+        others = [c for c in realistic.reachable(mod, comp) if c != comp and c not in brs and realistic.conditionals(mod, c)]
+        out["loop_step_fixed"] = not others
+      runs = [(x, cost(realistic.specialize(text, comp, cond, i), comp)) for i, x in enumerate(w)]
+      out[f"loop_{name}_branch_ms"] = [1e3 * t["realistic_s"] for _, t in runs]
+    out.update({f"loop_{name}_ms": 1e3 * sum(x * t["realistic_s"] for x, t in runs),
+                f"loop_{name}_kernels": sum(x * t["kernels"] for x, t in runs),
+                f"loop_{name}_bytes": sum(x * t["realistic_bytes"] for x, t in runs),
+                f"loop_{name}_flops": sum(x * t["realistic_flops"] for x, t in runs)})
   own = realistic.own_time(mod, parts.block, charges)
   out.update({"loop_block_ms": 1e3 * own["realistic_s"], "loop_block_kernels": own["kernels"]})
   return out

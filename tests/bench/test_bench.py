@@ -219,14 +219,10 @@ def test_committed_predictions_cover_the_gpu_check():
       assert p["syncs_step"] == 0  # compiled with the device-driven loop
       t = gpu_check.predicted_generate_s(p, 16, 1008, 16)
       assert 0 < t["ideal_s"] < t["realistic_s"] and t["ideal_s"] < t["composed_realistic_s"]
-      # From the generate program's own iterations where the bench costed them (the dInfer setting's file),
-      # as the bench's realistic figure; else composed from the forwards.
-      assert p["loop"] is not None or setting == "threshold"
-      if p["loop"]:
-        assert t["realistic_s"] == pytest.approx(
-            1e-3 * (16 * p["loop"]["entry"] + 1008 * p["loop"]["step"] + 16 * p["loop"]["block"]))
-      else:
-        assert t["realistic_s"] == t["composed_realistic_s"]
+      # From the generate program's own iterations (both files cost them), as the bench's realistic figure.
+      assert p["loop"] is not None
+      assert t["realistic_s"] == pytest.approx(
+          1e-3 * (16 * p["loop"]["entry"] + 1008 * p["loop"]["step"] + 16 * p["loop"]["block"]))
   # The 8-bit items (--weights fp8,int8) have theirs too: the threshold setting at batch 1 and 8, cheaper
   # cached forwards than bf16's.
   for w in ("int8", "fp8"):

@@ -484,13 +484,21 @@ def test_block_entry_is_costed_by_how_often_each_branch_runs():
   assert "ROOT %r = f32[8]{0} call(%a), to_apply=%narrow" in narrow
   assert realistic.kernels(realistic.Module(realistic.subprogram(narrow, "refresh")), realistic.H200).total == 2
   assert realistic.kernels(realistic.Module(realistic.subprogram(_GENERATE_TAIL, "refresh")), realistic.H200).total == 5
-  out = roofline.loop_costs(_GENERATE_TAIL, realistic.H200, entry_shares=(0.75, 0.25))
+  out = roofline.loop_costs(_GENERATE_TAIL, realistic.H200, {"entry": (0.75, 0.25)})
   assert out["loop_entry_kernels"] == pytest.approx(3.5)
   assert out["loop_entry_ms"] == pytest.approx(8.75e-3, rel=1e-3)
   assert out["loop_entry_branch_ms"] == pytest.approx([10e-3, 5e-3], rel=1e-3)
   # Without the shares the entry's cost is unknown: a clear error, not the most expensive branch.
-  with pytest.raises(ValueError, match="entry_shares"):
+  with pytest.raises(ValueError, match="shares gives None"):
     roofline.loop_costs(_GENERATE_TAIL, realistic.H200)
+  # A step loop whose one conditional is chosen per block (no cache: every step is a full forward) is costed
+  # the same way, and is then one iteration of a known kind: 1 + 3 or 1 + 1 kernels, 10 or 5 us.
+  per_block = _GENERATE.replace("ROOT %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_b",
+                                "%i = s32[] constant(0)\n  ROOT %b = f32[8]{0} conditional(%i, %a, %a), "
+                                "branch_computations={%refresh, %skip}")
+  out = roofline.loop_costs(per_block, realistic.H200, {"step": (0.5, 0.5)})
+  assert out["loop_step_fixed"] and out["loop_step_ms"] == pytest.approx(7.5e-3, rel=1e-3)
+  assert not roofline.loop_costs(per_block, realistic.H200)["loop_step_fixed"]  # a per-step choice, unweighted
   with pytest.raises(ValueError, match="no conditional named 'q'"):
     realistic.specialize(_GENERATE_TAIL, "refresh", "q", 0)
   with pytest.raises(ValueError, match="no branch 2"):
