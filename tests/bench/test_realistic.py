@@ -445,31 +445,17 @@ def test_bad_charges():
     realistic.Charges(sync_us=-1)
 
 
-# The block entry of a smoothing program (engine.loop): the refresh runs its forward (one fusion) and then one
-# of two widths of the LM head + soft embedding, picked per block by a conditional: 3 kernels wide, 1 narrow.
-_GENERATE_TAIL = _GENERATE.replace("""%refresh (c: f32[8]) -> f32[8] {
-  %c = f32[8]{0} parameter(0)
-  %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_a
-  %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_b
-  ROOT %d = f32[8]{0} fusion(%b), kind=kLoop, calls=%fused_a
-}""", """%wide (c: f32[8]) -> f32[8] {
-  %c = f32[8]{0} parameter(0)
-  %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_a
-  %b = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_b
-  ROOT %d = f32[8]{0} fusion(%b), kind=kLoop, calls=%fused_a
-}
-
-%narrow (c: f32[8]) -> f32[8] {
-  %c = f32[8]{0} parameter(0)
-  ROOT %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_b
-}
-
-%refresh (c: f32[8]) -> f32[8] {
+# The block entry of a smoothing program (engine.loop): the entry runs its forward (one fusion) and then one
+# of two widths of the LM head + soft embedding, picked per block by a conditional: 3 kernels wide (refresh),
+# 1 narrow (skip).
+_GENERATE_TAIL = _GENERATE.replace("%block (c: f32[8])", """%tail_entry (c: f32[8]) -> f32[8] {
   %c = f32[8]{0} parameter(0)
   %a = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused_a
   %i = s32[] constant(1)
-  ROOT %r = f32[8]{0} conditional(%i, %a, %a), branch_computations={%wide, %narrow}
-}""")
+  ROOT %r = f32[8]{0} conditional(%i, %a, %a), branch_computations={%refresh, %skip}
+}
+
+%block (c: f32[8])""").replace("true_computation=%refresh", "true_computation=%tail_entry")
 
 
 def test_block_entry_is_costed_by_how_often_each_branch_runs():
@@ -479,11 +465,12 @@ def test_block_entry_is_costed_by_how_often_each_branch_runs():
   Costed as the cost analysis and the kernel count see the conditional, it would be 5 kernels, 12.5 us."""
   mod = realistic.Module(_GENERATE_TAIL)
   parts = realistic.loop_parts(mod)
-  assert parts.entry == "refresh" and realistic.conditionals(mod, "refresh") == [("r", ["wide", "narrow"])]
-  narrow = realistic.specialize(_GENERATE_TAIL, "refresh", "r", 1)
-  assert "ROOT %r = f32[8]{0} call(%a), to_apply=%narrow" in narrow
-  assert realistic.kernels(realistic.Module(realistic.subprogram(narrow, "refresh")), realistic.H200).total == 2
-  assert realistic.kernels(realistic.Module(realistic.subprogram(_GENERATE_TAIL, "refresh")), realistic.H200).total == 5
+  assert parts.entry == "tail_entry" and realistic.conditionals(mod, "tail_entry") == [("r", ["refresh", "skip"])]
+  narrow = realistic.specialize(_GENERATE_TAIL, "tail_entry", "r", 1)
+  assert "ROOT %r = f32[8]{0} call(%a), to_apply=%skip" in narrow
+  assert realistic.kernels(realistic.Module(realistic.subprogram(narrow, "tail_entry")), realistic.H200).total == 2
+  assert realistic.kernels(realistic.Module(realistic.subprogram(_GENERATE_TAIL, "tail_entry")),
+                           realistic.H200).total == 5
   out = roofline.loop_costs(_GENERATE_TAIL, realistic.H200, {"entry": (0.75, 0.25)})
   assert out["loop_entry_kernels"] == pytest.approx(3.5)
   assert out["loop_entry_ms"] == pytest.approx(8.75e-3, rel=1e-3)
@@ -500,6 +487,6 @@ def test_block_entry_is_costed_by_how_often_each_branch_runs():
   assert out["loop_step_fixed"] and out["loop_step_ms"] == pytest.approx(7.5e-3, rel=1e-3)
   assert not roofline.loop_costs(per_block, realistic.H200)["loop_step_fixed"]  # a per-step choice, unweighted
   with pytest.raises(ValueError, match="no conditional named 'q'"):
-    realistic.specialize(_GENERATE_TAIL, "refresh", "q", 0)
+    realistic.specialize(_GENERATE_TAIL, "tail_entry", "q", 0)
   with pytest.raises(ValueError, match="no branch 2"):
-    realistic.specialize(_GENERATE_TAIL, "refresh", "r", 2)
+    realistic.specialize(_GENERATE_TAIL, "tail_entry", "r", 2)
