@@ -187,7 +187,9 @@ def test_aligned_first_block_batch3_more(decoder, cache, smoothing):
 # With smoothing this case used to fail (the 16-token prompt's row left the reference in its fourth block, canvas
 # position 40) and was a strict xfail. A -m slow run on 2026-12-03 found it passing, and it already passed
 # before that day's loop changes (checked at f665786, whose engine is b1167e2's): an earlier change made it
-# agree; which one was not bisected. It stays under -m slow.
+# agree; which one was not bisected. It stays under -m slow. On 2026-12-06 it failed again (row 2, index 41: 481
+# vs 288) at every commit back to the one that recorded it passing, a README-only commit included: the outcome
+# depends on the environment (a near-tie in that row's fourth block), not on the engine's code.
 @pytest.mark.parametrize("smoothing", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_prefix_windows_shrink_batch3(smoothing):
   """Five blocks: the prefix cache's cached forward runs windows of 5, 3, 2 and 1 blocks (iteration.
