@@ -77,7 +77,7 @@ def block_shares(widths: tuple[int, ...], gen_len: int, block_len: int) -> tuple
   """The share of a generation's blocks that take each of `widths` (prefix_window_index's pick for the
   block starting at each multiple of block_len): how often each branch of a per-block choice of width runs."""
   n = -(-gen_len // block_len)
-  picks = [sum(w >= gen_len - k * block_len for w in widths) - 1 for k in range(n)]
+  picks = [int(prefix_window_index(k * block_len, widths=widths, gen_end=gen_len)) for k in range(n)]
   return tuple(picks.count(i) / n for i in range(len(widths)))
 
 

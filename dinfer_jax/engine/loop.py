@@ -396,15 +396,15 @@ def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: j
         # [rows, V] x [V, D] products, a third of a batch-8 refresh at 7B-A1B. Only where every row runs the
         # full forward (the block entry, no cache) and shares the block; the step's other iterations keep
         # one width, so no conditional is added to them.
-        starts = (C,)
+        widths = (Tc - C,)
         if not may_cached and jnp.ndim(s) == 0:
-          starts = tuple(Tc - wd for wd in iteration.tail_widths(Tc - C, L))
-        branches = [lambda bb, f0=f0: decode(bb, lm_head(params, full_out[:, f0 - C:]), f0) for f0 in starts]
+          widths = iteration.tail_widths(Tc - C, L)
+        branches = [lambda bb, f0=Tc - wd: decode(bb, lm_head(params, full_out[:, f0 - C:]), f0) for wd in widths]
         rest = {k: v for k, v in b.items() if k != "cache"}  # the cache stays out of the conditional
-        if len(starts) == 1:
+        if len(widths) == 1:
           nb.update(branches[0](rest))
         else:
-          tail = iteration.prefix_window_index(s, widths=tuple(Tc - f0 for f0 in starts), gen_end=Tc)
+          tail = iteration.prefix_window_index(s, widths=widths, gen_end=Tc)
           nb.update(jax.lax.switch(tail, branches, rest))
 
       nb["iters"] = b["iters"] + 1

@@ -309,13 +309,11 @@ def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
     order = jnp.argsort(jnp.concatenate([flat_e, jnp.full((p.block_m,), n_experts, flat_e.dtype)]), stable=True)
     rows, per_token = order, idx.shape[1]
     # Where each (token, slot) row sits in the sorted order (the inverse of the sort), for a combine that
-    # gathers each token's k rows: a scatter-add into fp32 zeros [T, D] is a kernel of its own, and XLA
-    # copies the zeros into every layer's scatter (one shared constant, written in place): per layer a
-    # [T, D] fp32 copy, 84 MB read and written at a batch-8 refresh of 7B-A1B, launched outside the CUDA
-    # graphs.
-    # order[:M] is a permutation of [0, M) (the sentinels sort last), so every entry is written: the layer's
-    # own expert ids, dead by then, are the buffer (a zeros constant is one buffer shared by every layer's
-    # scatter, which XLA would copy for each).
+    # gathers each token's k rows. A scatter-add into fp32 zeros [T, D] instead made XLA copy its one shared
+    # zeros constant for every layer's in-place scatter: 84 MB read and written per layer at a batch-8
+    # refresh of 7B-A1B, launched outside the CUDA graphs. The same holds for zeros as this scatter's buffer;
+    # order[:M] is a permutation of [0, M) (the sentinels sort last), so every entry is written and the
+    # layer's own expert ids, dead by then, serve.
     dest = flat_e.astype(jnp.int32).at[order[:M]].set(jnp.arange(M, dtype=jnp.int32), unique_indices=True)
     dest = dest.reshape(T, idx.shape[1])
   else:  # topk_align's
