@@ -28,7 +28,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
-  """A loaded model: config, params (a plain pytree), tokenizer (None if the checkpoint ships none)."""
+  """A loaded model: config, params (a plain pytree in the engine's per-layer layout: model.params.engine_layout;
+  params.stack_layers gives the stacked checkpoint/training layout), tokenizer (None if the checkpoint ships
+  none)."""
   config: ModelConfig
   params: Any
   tokenizer: Any = None
@@ -113,8 +115,9 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
     # An 8-bit checkpoint asked for another format (e.g. FP8 block scales -> per channel, the fast GEMM path)
     # is requantised leaf by leaf; one already in that format is kept as stored.
     params = quant.quantize_params(params, qc)
-  if mesh is not None and quant.is_quantized(params):
-    params = jax.device_put(params, param_shardings(params, params_lib.logical_axes(cfg), mesh))
+  # The engine's layout, once (per-layer buffers on their shardings): every generate call runs on it as it
+  # is. Training wants the stacked layers back: params.stack_layers.
+  params = params_lib.engine_layout(params, cfg, mesh)
   return Model(config=cfg, params=params, tokenizer=load_tokenizer(p), mesh=mesh, path=str(p))
 
 

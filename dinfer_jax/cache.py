@@ -40,32 +40,7 @@ class KVCache:
     return KVCache(jnp.stack(self.k), jnp.stack(self.v)) if self.per_layer else self
 
 
-# ----------------------------------------------------------------------------- cache manager
-# dInfer's DiffusionKVCacheManager as a per-row policy. Each loop iteration every active row takes one
-# of these forwards; rows of different kinds in the same iteration share the batched forward of their kind.
-FULL = 1  # full canvas forward, no cache read or write (cache "none", vicinity warm-up)
-REFRESH = 2  # full canvas forward whose K/V replace the row's cache (block entry)
-CACHED = 3  # window forward reading the cache (prefix / dual / vicinity; block diffusion steps)
-
-
-def row_phase(*, cache_mode: str, vicinity_warmup: int, n: jax.Array, refreshed: jax.Array) -> jax.Array:
-  """Which forward each row takes this iteration. n [B] the row's forwards so far; refreshed [B] whether
-  its cache was refreshed since the current block started.
-
-  As in dInfer, a block's first iteration is the refresh forward (its block logits decode) and then one
-  cached step; unlike dInfer, there is exactly one refresh per block entry (no double refresh when block 0
-  finishes during the vicinity warm-up).
-  """
-  if cache_mode == "none":
-    return jnp.full(n.shape, FULL, jnp.int32)
-  if cache_mode == "block_diffusion":
-    return jnp.full(n.shape, CACHED, jnp.int32)
-  phase = jnp.where(refreshed, CACHED, REFRESH)
-  if vicinity_warmup:
-    phase = jnp.where(n < vicinity_warmup, FULL, phase)
-  return phase.astype(jnp.int32)
-
-
+# The policies that decide which rows refresh, read and write this cache are engine/cache_policy.py.
 def select_rows(rows: jax.Array, new: KVCache, old: KVCache) -> KVCache:
   """Per-row cache update: rows [B] bool picks `new` (a refresh, or a persisted block-diffusion step).
   Both caches in the same layout (stacked or per layer)."""

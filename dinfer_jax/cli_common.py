@@ -12,7 +12,8 @@ import pathlib
 import sys
 from typing import Any, Iterator, Sequence
 
-from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax import decoders
+from dinfer_jax.engine.config import CACHES, GenerationConfig
 
 DTYPES = ("float32", "bfloat16")
 # Weight formats a model can be quantised to on load (model/quant.py: QuantConfig.parse); the per-channel
@@ -79,11 +80,10 @@ def add_generation_flags(ap: argparse.ArgumentParser, model_defaults: dict[str, 
   """One flag per GenerationConfig knob (--gen-length, --block-length, ...). Unset flags stay absent from
   the namespace so that a model's own defaults (its generation_config.json) can fill them; `model_defaults`
   (that file's knobs) are shown in the help."""
-  from dinfer_jax.engine.config import CACHES, DECODERS
   model_defaults = model_defaults or {}
   g = ap.add_argument_group("generation (GenerationConfig; defaults: the model's generation_config.json, "
                             "then the dataclass)")
-  choices = {"decoder": DECODERS, "cache": CACHES}
+  choices = {"decoder": decoders.names(), "cache": CACHES}
   for f in dataclasses.fields(GenerationConfig):
     flag = "--" + f.name.replace("_", "-")
     shown = (f"default {model_defaults[f.name]!r} (the model's generation_config.json; dataclass "

@@ -7,6 +7,7 @@ from typing import Any, Literal, Mapping
 Family = Literal["llada_moe", "llada", "llada2_moe"]
 FAMILIES = ("llada_moe", "llada", "llada2_moe")
 MOE_IMPLS = ("auto", "dense", "ragged", "grouped")
+DECODINGS = ("masked", "block")
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,10 @@ class ModelConfig:
   pad_token_id: int | None = None
   # Which MoE kernel the forward uses. "auto" picks by backend and token count (see model/moe.py).
   moe_impl: str = "auto"
+  # How the model generates: "masked" diffusion over the whole canvas (LLaDA, LLaDA-MoE: bidirectional
+  # attention) or "block" diffusion (LLaDA2: block-causal attention, a KV cache that persists across blocks).
+  # None: the family's (block for llada2_moe).
+  decoding: Literal["masked", "block"] | None = None
 
   def __post_init__(self):
     def need(cond, field, msg):
@@ -79,6 +84,9 @@ class ModelConfig:
     for f in ("mask_token_id", "eos_token_id"):
       need(0 <= getattr(self, f) < self.vocab_size, f, f"must be a token id in [0, vocab_size={self.vocab_size})")
     need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
+    if self.decoding is None:
+      object.__setattr__(self, "decoding", "block" if self.family == "llada2_moe" else "masked")
+    need(self.decoding in DECODINGS, "decoding", f"must be one of {DECODINGS}")
 
   @property
   def n_moe_layers(self) -> int:
@@ -87,6 +95,10 @@ class ModelConfig:
   @property
   def rope_dim(self) -> int:
     return self.rotary_dim or self.head_dim
+
+  @property
+  def block_diffusion(self) -> bool:
+    return self.decoding == "block"
 
   @property
   def kv_groups(self) -> int:

@@ -138,7 +138,7 @@ def check_finite(model, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig
   empty = [r for r, t in enumerate(result.tokens) if not t]
   if not empty:
     return
-  mask_id = gcfg.mask_id if gcfg.mask_id is not None else model.config.mask_token_id
+  mask_id = gcfg.token_ids(model.config)[0]
   for r in empty:
     row = list(prompts[r]) + [mask_id] * gcfg.gen_length
     row = row[:model.config.max_position]

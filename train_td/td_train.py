@@ -18,6 +18,7 @@ import os
 import pathlib
 from typing import Any
 
+from dinfer_jax.model import params as params_lib
 from train_td import objective, td_data, trainer
 
 TD_CONFIG = "td_config.json"
@@ -82,4 +83,4 @@ def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, pr
                                       eps=tc.eps_t, moe_impl=tc.moe_impl, remat=tc.remat,
                                       compute_dtype=tc.compute_dtype)
   return trainer.train(tc, run_dir, resume=resume, loss_fn=loss_fn, get_batch=data.get_batch, progress=progress,
-                       stop_at=stop_at, init_params=base.params, mesh=mesh)
+                       stop_at=stop_at, init_params=params_lib.stack_layers(base.params), mesh=mesh)

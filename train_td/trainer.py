@@ -267,7 +267,7 @@ def _init_from_params(tc: TrainConfig) -> Any:
   if dataclasses.replace(model.config, moe_impl=want.moe_impl) != want:
     raise ValueError(f"init_from: {tc.init_from} is a {model.config} model, but this run builds {want}; "
                      "give the same architecture flags (e.g. --max-position)")
-  return jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32), model.params)
+  return jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32), params_lib.stack_layers(model.params))
 
 
 def latest_step(run_dir: os.PathLike) -> int | None:

@@ -73,9 +73,7 @@ def load_prompts(model, path: str | None, gcfg) -> list[list[int]]:
   if path is None:
     if model.tokenizer is not None:
       return cli_common.encode_prompts(model, list(throughput.TEXT_PROMPTS))
-    mask = gcfg.mask_id if gcfg.mask_id is not None else model.config.mask_token_id
-    eos = gcfg.eos_id if gcfg.eos_id is not None else model.config.eos_token_id
-    return throughput.default_token_prompts(model.config, int(mask), int(eos))
+    return throughput.default_token_prompts(model.config, *gcfg.token_ids(model.config))
   data = json.loads(pathlib.Path(path).read_text())
   if not isinstance(data, list) or not data:
     raise ValueError(f"--prompts {path}: expected a non-empty JSON list of strings or of token-id lists")

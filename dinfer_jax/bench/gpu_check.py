@@ -99,12 +99,12 @@ def _prompts(cfg: ModelConfig, batch: int, length: int) -> list[list[int]]:
   return [[int(t) if int(t) not in bad else 7 for t in rng.integers(10, hi, size=length)] for _ in range(batch)]
 
 
-def time_forwards(params, cfg, gcfg, lay, static, reps: int) -> dict[str, dict[str, Any]]:
+def time_forwards(params, cfg, gcfg, lay, prog, reps: int) -> dict[str, dict[str, Any]]:
   """Per forward kind: compile once, then time it alone as the engine's loop runs it: a cached forward takes
   the cache donated and returns it (its K/V writes in place), and the next call takes what it returned."""
   from dinfer_jax.bench.throughput import _best_time, forward_programs
   out = {}
-  for kind, (f, args) in forward_programs(cfg, gcfg, lay, static, table=params["embed"], cache_out=True).items():
+  for kind, (f, args) in forward_programs(cfg, gcfg, lay, prog, table=params["embed"], cache_out=True).items():
     cached = kind.startswith("cached")
     t = time.perf_counter()
     compiled = jax.jit(f, donate_argnums=(2,) if cached else ()).lower(params, *args).compile()
@@ -133,7 +133,8 @@ def time_generate(params, cfg, prompts, gcfg, repeats: int) -> dict[str, Any]:
     jax.block_until_ready(out)
     walls.append(time.perf_counter() - t)
   wall = min(walls)
-  nfe, n_full, n_cached = int(out["nfe"]), int(out["n_full"]), int(out["n_cached"])
+  c = out.counters
+  nfe, n_full, n_cached = int(c.nfe), int(c.n_full), int(c.n_cached)
   B, G = len(prompts), gcfg.gen_length
   return {"generate_s": wall, "compile_s": max(0.0, first - wall), "nfe": nfe, "n_full": n_full,
           "n_cached": n_cached, "fwd_per_s": nfe / wall, "tokens_per_s": B * G / wall,
@@ -300,9 +301,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return formats[w]
 
   def fwd_item(B, w="bf16", moe_impl=None):
-    lay, static = gen_lib.prepare(cfg, _prompts(cfg, B, P), gcfgs["threshold"])
+    lay, prog = gen_lib.prepare(cfg, _prompts(cfg, B, P), gcfgs["threshold"])
     c = cfg if moe_impl is None else dataclasses.replace(cfg, moe_impl=moe_impl)
-    res = time_forwards(weights_of(w), c, gcfgs["threshold"], lay, static, args.reps)
+    res = time_forwards(weights_of(w), c, gcfgs["threshold"], lay, prog, args.reps)
     if moe_impl is not None:
       return res
     pred = predicted(preds, ck.res["shape"]["config"], "threshold", B, w)

@@ -36,7 +36,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dinfer_jax import sharding
 from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.engine import generate as generate_lib
 from dinfer_jax.model import params as params_lib
 from dinfer_jax.model.transformer import forward
 
@@ -141,10 +140,10 @@ def _abstract(shape, dtype, mesh, axes):
 def compile_forward(cfg: ModelConfig, mesh, batch: int, kind: str, moe_impl: str = "dense"):
   """Lowers and compiles one forward for the described devices; returns the compiled executable."""
   Tc = PROMPT + GEN
-  # The engine's layout: per-layer weight buffers placed by the rules table (generate.inference_params).
+  # The engine's layout: per-layer weight buffers placed by the rules table (params.engine_layout).
   params = params_lib.unstack_layers(params_lib.abstract_params(cfg, jnp.bfloat16),
                                      take=lambda a, i: jax.ShapeDtypeStruct(a.shape[1:], a.dtype))
-  p_sh = generate_lib.unstacked_shardings(params, cfg, mesh)
+  p_sh = sharding.param_shardings(params, params_lib.unstacked_logical_axes(cfg, params), mesh)
   params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, p_sh)
   rows = lambda shape, dt: _abstract(shape, dt, mesh, sharding.ROW_AXES + (None,) * (len(shape) - 1))  # noqa: E731
   cache_shape = (cfg.n_layers, batch, Tc, cfg.n_kv_heads, cfg.head_dim)

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -46,7 +47,8 @@ from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine import iteration
 from dinfer_jax.engine import loop
-from dinfer_jax.engine.loop import _decode_rows, _init_rows
+from dinfer_jax.engine.loop import decode_rows, init_rows
+from dinfer_jax.engine.program import Knobs
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.model import moe
 from dinfer_jax.model import params as params_lib
@@ -131,12 +133,12 @@ class Target:
       return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.sharding)
     return jax.tree_util.tree_map(one, tree)
 
-  def compile(self, fn, *args, static: dict | None = None, donate=(), options: dict | None = None):
+  def compile(self, fn, *args, donate=(), options: dict | None = None):
     with moe.target_backend(self.backend), deviceless_tokamax(self.kind == "cuda"):
       t = time.perf_counter()
-      jf = jax.jit(fn, static_argnames=tuple(static or ()), donate_argnums=donate if self.kind == "cuda" else (),
+      jf = jax.jit(fn, donate_argnums=donate if self.kind == "cuda" else (),
                    compiler_options=options or None)
-      compiled = jf.lower(*args, **(static or {})).compile()
+      compiled = jf.lower(*args).compile()
       return compiled, time.perf_counter() - t
 
 
@@ -306,7 +308,7 @@ def generation_config(preset: presets.Preset, cache: str, setting: str = "dinfer
   return gcfg
 
 
-def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype, table=None) -> dict[str, tuple[Any, tuple]]:
+def step_programs(cfg, gcfg: GenerationConfig, lay, prog, *, dtype, table=None) -> dict[str, tuple[Any, tuple]]:
   """The work of a loop iteration outside its forward, per forward kind: the decoder on the block's logits
   and, with smoothing, the soft embeddings of the positions the forward saw (the generation region after a
   refresh, the window after a cached forward): f(table, logits, canvas, ...) as the loop runs them. table:
@@ -314,7 +316,7 @@ def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype, table=None
   grid = lay.grid
   B, L, W, V, D = grid.batch, grid.block_len, grid.window, cfg.vocab_size, cfg.d_model
   G = grid.canvas_len - grid.first_block
-  decoder, mask_id = static["decoder"], static["mask_id"]
+  decoder, mask_id, knobs = prog.decoder, prog.mask_id, Knobs.of(gcfg).decoder
   out = {}
   kinds = (("refresh", G), ("cached", W)) if gcfg.cache != "none" else (("refresh", G),)
   for kind, width in kinds:
@@ -322,11 +324,11 @@ def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype, table=None
 
     def f(table, logits, tokens, maskable, n, seed, width=width):
       blk = logits[:, :L]
-      dec = _init_rows(decoder, tokens[:, :L], maskable)
-      thr = iteration.step_threshold(n, gcfg, gcfg.threshold)
+      dec = init_rows(decoder, tokens[:, :L], maskable)
+      thr = iteration.step_threshold(n, gcfg.smoothing, gcfg.threshold)
       keys = jax.vmap(lambda r: jax.random.fold_in(seed, r))(jnp.arange(B))
-      new, committed, _ = _decode_rows(decoder, dec, blk, tokens[:, :L], maskable, thr, keys, mask_id=mask_id,
-                                       temperature=0.0)
+      new, committed, _ = decode_rows(decoder, dec, blk, tokens[:, :L], maskable, knobs, thr, keys, mask_id=mask_id,
+                                      temperature=0.0)
       res = {"tokens": new, "committed": committed}
       if gcfg.smoothing:
         toks = jnp.concatenate([new, tokens[:, L:]], axis=1)
@@ -342,7 +344,7 @@ def step_programs(cfg, gcfg: GenerationConfig, lay, static, *, dtype, table=None
 
 
 def abstract_inference_params(cfg, dtype, weights: str = "bf16"):
-  """The engine's per-layer param layout (generate.inference_params) as ShapeDtypeStructs, with the matmul
+  """The engine's per-layer param layout (params.engine_layout) as ShapeDtypeStructs, with the matmul
   weights as abstract QArrays for 8-bit `weights` (model/quant.py)."""
   tree = params_lib.abstract_params(cfg, dtype)
   qc = quant.QuantConfig.parse(weights)
@@ -362,7 +364,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   preset = presets.get(preset_name)
   cfg = preset.model()
   gcfg = generation_config(preset, cache, setting)
-  lay, static = gen_lib.prepare(cfg, _prompts(cfg, batch, preset.prompt_length), gcfg)
+  lay, prog = gen_lib.prepare(cfg, _prompts(cfg, batch, preset.prompt_length), gcfg)
   grid = lay.grid
   aparams = target.abstract(abstract_inference_params(cfg, dtype, weights))
   table = aparams["embed"] if quant.is_qarray(aparams["embed"]) else None
@@ -373,11 +375,11 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   L, Tc, W = grid.block_len, grid.canvas_len, grid.window
   rows = []
   steps = {}
-  for kind, (f, args) in step_programs(cfg, gcfg, lay, static, dtype=dtype, table=table).items():
+  for kind, (f, args) in step_programs(cfg, gcfg, lay, prog, dtype=dtype, table=table).items():
     compiled, _ = target.compile(f, *target.abstract(args))
     text = compiled_text(compiled)
     steps[kind] = realistic.forward_time(ModuleCost(text).total(), realistic.Module(text), charges)
-  for kind, (f, args) in forward_programs(cfg, gcfg, lay, static, abstract_dtype=dtype, cache_out=True).items():
+  for kind, (f, args) in forward_programs(cfg, gcfg, lay, prog, abstract_dtype=dtype, cache_out=True).items():
     # A cached forward takes the cache donated and returns it, as the engine's loop carries it: its K/V
     # writes are then in place (argument 2 of f(params, inputs, cache, ...)).
     donate = (2,) if kind.startswith("cached") else ()
@@ -416,8 +418,9 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
     # The engine's own compile options for the target (loop.compiler_options: on GPU the device-driven loop).
     options = loop.compiler_options(target.backend)
-    compiled, compile_s = target.compile(loop.run, aparams, *target.abstract(args), static=static, donate=(1,),
-                                         options=options)
+    # The setting's knob values compiled in (the bench's figures have always been of that program).
+    run = functools.partial(loop.run, prog, knobs=Knobs.of(gcfg))
+    compiled, compile_s = target.compile(run, aparams, *target.abstract(args), donate=(1,), options=options)
     text = compiled_text(compiled)
     mc = ModuleCost(text)
     syncs = realistic.host_syncs(realistic.Module(text))

@@ -29,6 +29,7 @@ from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.generate import count_generated
 from dinfer_jax.engine.stepped import JitRunner, stepped_generate
+from dinfer_jax.model import params as params_lib
 from dinfer_jax.model.transformer import forward
 
 VARIANTS = ("engine", "stepped", "fixed_steps", "fastdllm_dual", "overhead")
@@ -122,7 +123,7 @@ def cached_kind(windows: tuple[int, ...], width: int) -> str:
   return "cached" if not windows or width == windows[0] else f"cached@{width}"
 
 
-def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, table=None,
+def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, prog, *, table=None,
                      abstract_dtype=None, cache_out: bool = False) -> dict[str, tuple[Callable[..., Any], tuple]]:
   """Per kind of forward the engine runs for this layout: (f, args), f(params, *args) a pure forward of
   exactly the shape the engine's program uses (same batch, canvas, window, logits slice, masks).
@@ -133,7 +134,7 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, 
   cache_out: the cached forwards also return the cache (argument 2; prefix/dual: restored in place, as the
   engine's loop carries it), for a compile that donates it (the roofline bench); without it they return
   only the logits, and XLA copies the non-donated cache before writing into it (CPU timings)."""
-  grid, mode = lay.grid, static["mode"]
+  grid, mode = lay.grid, prog.cache.name
   L, C, W, Tc = grid.block_len, grid.first_block, grid.window, grid.canvas_len
   Bsz = grid.batch
   canvas = jnp.asarray(lay.canvas)
@@ -153,7 +154,7 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, 
     return {"embeds": jnp.take(table, x, axis=0)}
 
   if mode != "block_diffusion":
-    mask = ((blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]) if static["block_causal"] else valid
+    mask = prog.cache.full_mask(valid, L)
     # As engine.loop's full forward: the block's logits, or with smoothing the generation region's (from C).
     full_lg = {"logits_len": Tc - C} if smoothing else {"logits_len": L}
     keep_kv = mode in ("prefix", "dual")  # a refresh forward's K/V go into the cache: keep them live
@@ -196,30 +197,30 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *, 
   return progs
 
 
-def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, static, *,
+def forward_fns(params, mcfg: ModelConfig, gcfg: GenerationConfig, lay, prog, *,
                 chain: int = 0) -> dict[str, Callable[[], Any]]:
   """One zero-argument callable per kind of forward the engine runs for this layout (forward_programs),
   each jitted. chain=n: each callable runs n such forwards back to back in one program instead."""
   fns: dict[str, Callable[[], Any]] = {}
-  params = gen_lib.inference_params(params)  # the layout the engine's program runs on
-  for kind, (f, args) in forward_programs(mcfg, gcfg, lay, static, table=params["embed"]).items():
+  params = gen_lib.engine_params(params)  # the layout the engine's program runs on
+  for kind, (f, args) in forward_programs(mcfg, gcfg, lay, prog, table=params["embed"]).items():
     jf = _chained(f, chain)
     fns[kind] = functools.partial(jf, params, *args)
   return fns
 
 
-def time_forwards(params, mcfg, gcfg, lay, static, reps: int = 5) -> dict[str, float]:
+def time_forwards(params, mcfg, gcfg, lay, prog, reps: int = 5) -> dict[str, float]:
   """Best-of-reps seconds of one standalone jitted forward per kind (compiled before timing), each call
   dispatched from Python and waited for with block_until_ready."""
-  return {k: _best_time(fn, reps) for k, fn in forward_fns(params, mcfg, gcfg, lay, static).items()}
+  return {k: _best_time(fn, reps) for k, fn in forward_fns(params, mcfg, gcfg, lay, prog).items()}
 
 
-def time_forwards_chained(params, mcfg, gcfg, lay, static, n: int = 8, reps: int = 3) -> dict[str, float]:
+def time_forwards_chained(params, mcfg, gcfg, lay, prog, n: int = 8, reps: int = 3) -> dict[str, float]:
   """Seconds per forward when n forwards of a kind run back to back inside one jitted program (a data
   dependence between them keeps XLA from hoisting or merging them): the forward's device time without
   the per-call dispatch, which dominates on tiny models."""
   out = {}
-  for k, fn in forward_fns(params, mcfg, gcfg, lay, static, chain=n).items():
+  for k, fn in forward_fns(params, mcfg, gcfg, lay, prog, chain=n).items():
     out[k] = _best_time(fn, reps) / n
   return out
 
@@ -247,22 +248,22 @@ def run_engine(params, mcfg: ModelConfig, batches: Sequence[Sequence[Sequence[in
   records = []
 
   def call(batch):
-    lay, out, static = gen_lib.generate_arrays(params, mcfg, batch, gcfg)
+    lay, out, prog = gen_lib.generate_arrays(params, mcfg, batch, gcfg)
     jax.block_until_ready(out)
-    return gen_lib.collect(lay, out, len(batch), static["eos_id"]), lay, static
+    return gen_lib.collect(lay, out, len(batch), prog.eos_id), lay, prog
 
   for batch in batches:
-    lay0, static0 = gen_lib.prepare(mcfg, batch, gcfg)
+    lay0, prog0 = gen_lib.prepare(mcfg, batch, gcfg)
     key = lay0.grid
     first_s = None
     if key not in seen:
       t = time.perf_counter()
       call(batch)
       first_s = time.perf_counter() - t
-      seen[key] = ((time_forwards(params, mcfg, gcfg, lay0, static0, forward_reps),
-                    time_forwards_chained(params, mcfg, gcfg, lay0, static0)) if overhead else None)
+      seen[key] = ((time_forwards(params, mcfg, gcfg, lay0, prog0, forward_reps),
+                    time_forwards_chained(params, mcfg, gcfg, lay0, prog0)) if overhead else None)
     tick()
-    times, (res, lay, static) = _times(lambda: call(batch), repeats)
+    times, (res, lay, prog) = _times(lambda: call(batch), repeats)
     wall = statistics.median(times)
     for _ in range(repeats):
       tick()
@@ -286,7 +287,7 @@ def run_stepped(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]], gcf
   """Runs every prompt (batch 1) through the Python-stepped loop: one untimed call per prompt first (it
   compiles every forward shape that prompt needs; jax.jit caches them), then `repeats` timed calls."""
   runner = JitRunner()
-  eos = int(gcfg.eos_id if gcfg.eos_id is not None else mcfg.eos_token_id)
+  eos = gcfg.token_ids(mcfg)[1]
   records = []
   for p in prompts:
     t = time.perf_counter()
@@ -316,6 +317,9 @@ def run_side_by_side(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]]
   from tqdm.auto import tqdm
 
   batches = batched(prompts, batch_size)
+  # Each loop on the layout it is written for, made once (not inside a timed call): the engine on per-layer
+  # buffers, the Python-stepped baseline on the stacked layers that dInfer's modules scan.
+  engine_p, stepped_p = gen_lib.engine_params(params), params_lib.stack_layers(params)
   units = 0
   for v in variants:
     units += (len(prompts) if v == "stepped" else len(batches)) * (1 + repeats)
@@ -326,9 +330,9 @@ def run_side_by_side(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]]
       vcfg = variant_config(v, gcfg, overhead_k=overhead_k, overhead_gen_length=overhead_gen_length)
       bar.set_postfix_str(v)
       if v == "stepped":
-        recs = run_stepped(params, mcfg, prompts, vcfg, repeats=repeats, tick=lambda: bar.update(1))
+        recs = run_stepped(stepped_p, mcfg, prompts, vcfg, repeats=repeats, tick=lambda: bar.update(1))
       else:
-        recs = run_engine(params, mcfg, batches, vcfg, repeats=repeats, tick=lambda: bar.update(1))
+        recs = run_engine(engine_p, mcfg, batches, vcfg, repeats=repeats, tick=lambda: bar.update(1))
       m = summarize(recs)
       m.update(decoder=vcfg.decoder, cache=vcfg.cache, smoothing=vcfg.smoothing, vicinity=vcfg.vicinity,
                steps_per_block=vcfg.steps_per_block, gen_length=vcfg.gen_length, early_stop=vcfg.early_stop,

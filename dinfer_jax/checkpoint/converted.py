@@ -48,6 +48,7 @@ from orbax.checkpoint import type_handlers as ocp_th
 from dinfer_jax.checkpoint.errors import CheckpointError, read_json_object
 from dinfer_jax.checkpoint.outdir import atomic_dir, writes_stopped
 from dinfer_jax.config import ConfigError, ModelConfig
+from dinfer_jax.model import params as params_lib
 from dinfer_jax.model.params import FP32_PARAMS, abstract_params, leaf_dtype  # noqa: F401 (re-exported)
 
 FORMAT = "dinfer_jax"
@@ -279,7 +280,8 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
   Args:
     dst: output directory; must not exist unless overwrite.
     params: the param tree (numpy arrays, jax arrays, or LazyArray leaves), shaped as
-      abstract_params(cfg) for the config in hf_config_dict; one weight dtype (expert_bias fp32).
+      abstract_params(cfg) for the config in hf_config_dict (a loaded model's per-layer layout is stacked
+      first); one weight dtype (expert_bias fp32).
     hf_config_dict: the HF config.json content, stored verbatim.
     src_dir_for_tokenizer: HF directory to copy tokenizer and other non-weight files from.
     layout: the expert layout jax2hf writes back by default ('per_expert' or 'fused').
@@ -299,6 +301,8 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
   if not isinstance(hf_config_dict, Mapping):
     raise CheckpointError("hf_config_dict must be a dict (the HF config.json content)")
   cfg = ModelConfig.from_hf_config(hf_config_dict)
+  if params_lib.is_unstacked(params):  # a loaded Model's params: the checkpoint stores the stacked layers
+    params = params_lib.stack_layers(params)
   if quantization:
     from dinfer_jax.model import quant
     quantization = quant.QuantConfig(**quantization).to_dict()

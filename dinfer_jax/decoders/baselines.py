@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from dinfer_jax.decoders import common
+from dinfer_jax.decoders.base import Decoder, Knobs, as_f32, check_positive_int, register
 
 
 class FixedStepsState(NamedTuple):
@@ -37,8 +38,9 @@ def num_transfer_tokens(num_masked: jax.Array, step: jax.Array, steps: int) -> j
   return jnp.where(step < steps, n, 0).astype(jnp.int32)
 
 
+@register("fixed_steps")
 @dataclasses.dataclass(frozen=True)
-class FixedStepsDecoder:
+class FixedStepsDecoder(Decoder):
   """LLaDA's low-confidence schedule (§1): step i commits the n_i most confident masked positions.
 
   n_i = floor(m/S) + [i < m mod S] with m the block's masks per row at its first step. Ties in confidence
@@ -48,15 +50,35 @@ class FixedStepsDecoder:
   The engine runs a block until no masks remain: with m counted at block entry the schedule empties
   the block in at most S steps (fewer when m < S, skipping LLaDA's zero-token steps). If steps are
   called past S while masks remain (impossible when m was counted correctly), they commit nothing.
+  Its threshold knob is unused.
 
   Attributes:
-    steps_per_block: S, steps per block (LLaDA's steps / number of blocks).
+    steps_per_block: S, steps per block (LLaDA's steps / number of blocks; GenerationConfig.steps_per_block).
   """
 
   steps_per_block: int
+  static_fields = ("steps_per_block",)
 
   def __post_init__(self):
-    common.check_positive_int(self, "steps_per_block")
+    check_positive_int(self, "steps_per_block")
+
+  @classmethod
+  def from_config(cls, gcfg: Any, *, vocab_size: int) -> "FixedStepsDecoder":
+    return cls(steps_per_block=gcfg.steps_per_block)
+
+  @classmethod
+  def check_config(cls, gcfg: Any) -> None:
+    super().check_config(gcfg)
+
+    def bad(field, msg):
+      raise ValueError(f"GenerationConfig.{field}={getattr(gcfg, field)!r}: {msg}")
+    if gcfg.steps_per_block <= 0:
+      bad("steps_per_block", "fixed_steps needs steps_per_block > 0")
+    if gcfg.steps_per_block > gcfg.block_length:
+      bad("steps_per_block", f"must not exceed block_length={gcfg.block_length}")
+    if gcfg.gen_length % gcfg.block_length:
+      bad("block_length", f"fixed_steps needs block_length to divide gen_length={gcfg.gen_length} "
+                          "(LLaDA's schedule assumes equal blocks)")
 
   def init_state(self, tokens: jax.Array, maskable: jax.Array) -> FixedStepsState:
     """Fresh schedule. tokens [B, L] int32, maskable [B, L] bool.
@@ -68,14 +90,11 @@ class FixedStepsDecoder:
     del maskable
     return FixedStepsState(jnp.zeros(tokens.shape[:1], jnp.int32), jnp.zeros((), jnp.int32))
 
-  def step(self, state: FixedStepsState, logits: jax.Array, tokens: jax.Array, maskable: jax.Array, *,
-           mask_id: int, threshold: jax.Array | None = None, temperature: float = 0.0,
+  def step(self, state: FixedStepsState, logits: jax.Array, tokens: jax.Array, maskable: jax.Array,
+           knobs: Knobs, *, mask_id: int, temperature: float | jax.Array = 0.0,
            rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array, FixedStepsState]:
-    """One scheduled step.
-
-    Arguments and results as in `common.Decoder.step`.
-    """
-    del threshold
+    """One scheduled step; arguments and results as in `Decoder.step` (the threshold is unused)."""
+    del knobs
     prop = common.propose(logits, mask_id=mask_id, temperature=temperature, rng=rng)
     masked = common.masked_positions(tokens, maskable, mask_id)
     num_masked = jnp.where(state.step == 0, jnp.sum(masked, axis=-1, dtype=jnp.int32), state.num_masked)
@@ -90,31 +109,21 @@ class FixedStepsDecoder:
     return new_tokens, commit, FixedStepsState(num_masked, state.step + 1)
 
 
+@register("fastdllm")
 @dataclasses.dataclass(frozen=True)
-class FastDLLMDecoder(common.Stateless):
+class FastDLLMDecoder(Decoder):
   """Fast-dLLM's threshold rule (§2b): the top-1 masked position plus every masked c >= threshold.
 
   The top-1 is the most confident masked position, lower index on ties. Unlike dInfer's rule there is
   no 1e-5 tolerance and x0 == MASK is not excluded, but a committed position gets the best non-MASK
-  token so it really decodes. Stateless.
-
-  Attributes:
-    threshold: default confidence threshold in [0, 1].
+  token so it really decodes. Stateless; knobs: threshold.
   """
 
-  threshold: float
-
-  def __post_init__(self):
-    common.check_real(self, "threshold", 0.0, 1.0)
-
-  def step(self, state: tuple[()], logits: jax.Array, tokens: jax.Array, maskable: jax.Array, *,
-           mask_id: int, threshold: jax.Array | None = None, temperature: float = 0.0,
+  def step(self, state: tuple[()], logits: jax.Array, tokens: jax.Array, maskable: jax.Array, knobs: Knobs, *,
+           mask_id: int, temperature: float | jax.Array = 0.0,
            rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array, tuple[()]]:
-    """One Fast-dLLM step.
-
-    Arguments and results as in `common.Decoder.step`.
-    """
-    thr = common.resolve_threshold(threshold, self.threshold)
+    """One Fast-dLLM step; arguments and results as in `Decoder.step`."""
+    thr = as_f32(knobs.threshold)
     prop = common.propose(logits, mask_id=mask_id, temperature=temperature, rng=rng)
     masked = common.masked_positions(tokens, maskable, mask_id)
     commit = (masked & (prop.conf >= thr)) | common.first_argmax(prop.conf, masked)

@@ -1,64 +1,17 @@
-"""Shared decoder pieces: the Decoder protocol, token proposal, the threshold rule and the stall guard."""
+"""Shared decoder pieces: token proposal, the threshold rule and the stall guard."""
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-PyTree = Any
 
 # dInfer's tie tolerance: a row commits everything within this distance of its best confidence (§2a).
 TIE_TOLERANCE = 1e-5
 # dInfer's lower clamp on the per-row threshold; with no candidate (max = -inf) nothing reaches it.
 TAU_FLOOR = -1000.0
-
-
-class Decoder(Protocol):
-  """What the generation engine calls once per block (init_state) and once per forward (step).
-
-  Implementations are frozen, hashable dataclasses so they can be static jit arguments; both methods
-  are pure and jittable.
-  """
-
-  def init_state(self, tokens: jax.Array, maskable: jax.Array) -> PyTree:
-    """Fresh per-block state.
-
-    Args:
-      tokens: [B, L] int32, the block's canvas slice.
-      maskable: [B, L] bool, positions that belong to the block (False for padding past the canvas).
-    """
-
-  def step(self, state: PyTree, logits: jax.Array, tokens: jax.Array, maskable: jax.Array, *,
-           mask_id: int, threshold: jax.Array, temperature: float,
-           rng: jax.Array | None) -> tuple[jax.Array, jax.Array, PyTree]:
-    """One decoding step.
-
-    Args:
-      state: from init_state (or the previous step).
-      logits: [B, L, V] block logits (cast to fp32).
-      tokens: [B, L] int32 block canvas.
-      maskable: [B, L] bool block membership.
-      mask_id: static MASK id.
-      threshold: fp32 scalar threshold of this step (iteration smoothing relaxes it); None means the
-        decoder's own. Decoders without a threshold ignore it.
-      temperature: static float; 0 is argmax.
-      rng: PRNG key (or [B] keys), read only when temperature > 0.
-
-    Returns:
-      (new_tokens [B, L] int32, committed [B, L] bool, new_state); committed positions were masked.
-    """
-
-
-class Stateless:
-  """Mixin for decoders that keep nothing between steps of a block."""
-
-  def init_state(self, tokens: jax.Array, maskable: jax.Array) -> tuple[()]:
-    """No per-block state. tokens [B, L] int32, maskable [B, L] bool."""
-    del tokens, maskable
-    return ()
 
 
 class Proposal(NamedTuple):
@@ -266,30 +219,3 @@ def threshold_decode(logits: jax.Array, tokens: jax.Array, maskable: jax.Array, 
   commit = threshold_rule(prop.conf, candidate, threshold)
   commit, forced = stall_guard(commit, masked, prop.alt_conf)
   return write_tokens(tokens, commit, prop, mask_id, forced), commit
-
-
-def resolve_threshold(threshold: jax.Array | float | None, default: float) -> jax.Array:
-  """fp32 scalar: the step's threshold, or the decoder's own when the caller passes None."""
-  return jnp.asarray(default if threshold is None else threshold, jnp.float32)
-
-
-def check_real(owner: object, field: str, lo: float | None = None, hi: float | None = None) -> None:
-  """Validates a dataclass float field in [lo, hi] and stores it as float; ValueError names the field."""
-  value = getattr(owner, field)
-  name = f"{type(owner).__name__}.{field}"
-  if isinstance(value, jax.Array) and value.ndim == 0:
-    return  # a traced runtime knob (decoders.with_knobs): its host value was validated where it was set
-  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-    raise ValueError(f"{name}: must be a finite real number (got {value!r})")
-  if (lo is not None and value < lo) or (hi is not None and value > hi):
-    raise ValueError(f"{name}: must be in [{lo}, {hi}] (got {value!r})")
-  # Store a float so that ThresholdDecoder(1) and ThresholdDecoder(1.0) print and trace alike.
-  object.__setattr__(owner, field, float(value))
-
-
-def check_positive_int(owner: object, field: str) -> None:
-  """Validates a positive int dataclass field; ValueError names the field."""
-  value = getattr(owner, field)
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-    raise ValueError(f"{type(owner).__name__}.{field}: must be a positive int (got {value!r})")
-  object.__setattr__(owner, field, int(value))

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from dinfer_jax.decoders import common
+from dinfer_jax.decoders.base import Decoder, Knobs, as_f32, check_real, register
 
 
 def run_ids(masked: jax.Array) -> jax.Array:
@@ -37,44 +40,48 @@ def run_max(conf: jax.Array, masked: jax.Array) -> jax.Array:
   return jnp.max(jnp.where(same, conf[:, None, :], -jnp.inf), axis=-1)
 
 
+@flax.struct.dataclass
+class HierarchyKnobs(Knobs):
+  """threshold: the high threshold; low_threshold: the run-maximum threshold, in [0, threshold]."""
+  low_threshold: Any = 0.6
+
+
+@register("hierarchy")
 @dataclasses.dataclass(frozen=True)
-class HierarchyDecoder(common.Stateless):
+class HierarchyDecoder(Decoder):
   """Commits {run maxima with c > low} ∪ {c > threshold} ∪ {row's global argmax}, among masked positions.
 
   Runs are maximal spans of masked positions inside the block; committing inside a run splits it, so
   the number of runs roughly doubles per step. Run maxima use exact equality, so every tied maximum
   commits. Both thresholds are strict. The global argmax (first index on ties) makes every row with
-  masks commit at least once. Confidence is fp32 for every model family (Decisions §3).
+  masks commit at least once. Confidence is fp32 for every model family (docs/design.md, "Decoders").
 
   dInfer does not exclude x0 == MASK here and would write MASK, leaving the position masked (a
   possible stall). We keep its selection (confidence of x0, MASK or not) but write the best non-MASK
   token at such a committed position, so every commit really decodes a token. Stateless.
-
-  Attributes:
-    threshold: default high threshold in [0, 1]; the engine passes the step's threshold to `step`.
-    low_threshold: run-maximum threshold in [0, threshold] (dInfer's class default 0.4).
   """
 
-  threshold: float
-  low_threshold: float = 0.4
+  Knobs = HierarchyKnobs
 
-  def __post_init__(self):
-    common.check_real(self, "threshold", 0.0, 1.0)
-    common.check_real(self, "low_threshold", 0.0, self.threshold)
+  @classmethod
+  def check_knobs(cls, values: Mapping[str, Any], owner: str) -> None:
+    super().check_knobs(values, owner)
+    check_real(values, "low_threshold", owner, 0.0, 1.0)
+    if not isinstance(values["low_threshold"], jax.core.Tracer) and not isinstance(values["threshold"], jax.core.Tracer) \
+        and float(values["low_threshold"]) > float(values["threshold"]):
+      raise ValueError(f"{owner}.low_threshold={values['low_threshold']!r}: must not exceed "
+                       f"threshold={values['threshold']}")
 
-  def step(self, state: tuple[()], logits: jax.Array, tokens: jax.Array, maskable: jax.Array, *,
-           mask_id: int, threshold: jax.Array | None = None, temperature: float = 0.0,
+  def step(self, state: tuple[()], logits: jax.Array, tokens: jax.Array, maskable: jax.Array,
+           knobs: HierarchyKnobs, *, mask_id: int, temperature: float | jax.Array = 0.0,
            rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array, tuple[()]]:
-    """One hierarchical step.
-
-    Arguments and results as in `common.Decoder.step`.
-    """
-    high = common.resolve_threshold(threshold, self.threshold)
+    """One hierarchical step; arguments and results as in `Decoder.step`."""
+    high = as_f32(knobs.threshold)
     prop = common.propose(logits, mask_id=mask_id, temperature=temperature, rng=rng)
     masked = common.masked_positions(tokens, maskable, mask_id)
     c = jnp.where(masked, prop.conf, -jnp.inf)
     at_run_max = masked & (c == run_max(c, masked))
-    commit = ((at_run_max & (c > jnp.float32(self.low_threshold)))
+    commit = ((at_run_max & (c > as_f32(knobs.low_threshold)))
               | (masked & (c > high))
               | common.first_argmax(c, masked))
     return common.write_tokens(tokens, commit, prop, mask_id), commit, state

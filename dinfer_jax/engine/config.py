@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
+from dinfer_jax import decoders
 
-DECODERS = ("threshold", "hierarchy", "credit", "fixed_steps", "fastdllm")
 CACHES = ("none", "prefix", "dual")
 
 # Iteration-smoothing schedule constants (dInfer's IterationSmooth defaults; only cont_weight is a knob there).
@@ -13,23 +12,18 @@ SMOOTH_WEIGHT_INIT = 0.15
 SMOOTH_WEIGHT_GROWTH = 0.02
 SMOOTH_THRESHOLD_DECAY = 0.02
 
-# Knobs that are values in the compiled program, not part of its structure: the engine passes them as traced
-# fp32 scalars (GenerationConfig.knob_values) and compiles for GenerationConfig.program_config, so a threshold
-# sweep, a new temperature or a new smoothing cap reuses the program. Whether the program samples
-# (temperature > 0) and whether it smooths (cont_weight > 0) are structure and stay in the program's key.
-TRACED_KNOBS = ("threshold", "low_threshold", "credit_alpha", "credit_gamma", "credit_beta", "cont_weight",
-                "temperature")
-
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-  """Decoding settings. Hashable: the engine compiles one program per program_config() and shape bucket
-  (the thresholds, temperature and smoothing cap are runtime values of that program: TRACED_KNOBS).
+  """Decoding settings, validated up front. The engine compiles one program per engine.program.DenoiseProgram
+  (what of this config shapes the program) and passes the rest as traced values (engine.program.Knobs: the
+  decoder's thresholds, the temperature and the smoothing cap), so a sweep over those reuses one program.
 
   Attributes:
     gen_length: generated positions per row (G).
     block_length: block size (B); blocks are decoded left to right.
-    decoder: threshold | hierarchy | credit | fixed_steps (LLaDA's schedule) | fastdllm (top-1 + threshold).
+    decoder: a registered decoder (dinfer_jax.decoders.names()): threshold | hierarchy | credit |
+      fixed_steps (LLaDA's schedule) | fastdllm (top-1 + threshold).
     threshold: confidence threshold (threshold, credit, fastdllm; hierarchy's high threshold).
     low_threshold: hierarchy's per-run threshold.
     credit_alpha, credit_gamma, credit_beta: credit decoder's boost, exponent and decay.
@@ -79,33 +73,15 @@ class GenerationConfig:
       v = getattr(self, knob)
       if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         bad(knob, "must be a positive int")
-    if self.decoder not in DECODERS:
-      bad("decoder", f"unknown decoder; choose one of {', '.join(DECODERS)}")
+    if self.decoder not in decoders.names():
+      bad("decoder", f"unknown decoder; choose one of {', '.join(decoders.names())}")
     if self.cache not in CACHES:
       bad("cache", f"unknown cache mode; choose one of {', '.join(CACHES)}")
-    if not 0.0 < self.threshold <= 1.0:
-      bad("threshold", "must be in (0, 1]")
-    if self.decoder == "hierarchy" and not 0.0 <= self.low_threshold <= 1.0:
-      bad("low_threshold", "must be in [0, 1]")
-    if self.decoder == "hierarchy" and self.low_threshold > self.threshold:
-      bad("low_threshold", f"must not exceed threshold={self.threshold}")
-    if self.decoder == "credit":
-      if self.credit_alpha < 0:
-        bad("credit_alpha", "must be >= 0")
-      if self.credit_gamma <= 0:
-        bad("credit_gamma", "must be > 0")
-      if not 0.0 <= self.credit_beta <= 1.0:
-        bad("credit_beta", "must be in [0, 1]")
-    if self.decoder == "fixed_steps":
-      if self.steps_per_block <= 0:
-        bad("steps_per_block", "fixed_steps needs steps_per_block > 0")
-      if self.steps_per_block > self.block_length:
-        bad("steps_per_block", f"must not exceed block_length={self.block_length}")
-      if self.gen_length % self.block_length:
-        bad("block_length", f"fixed_steps needs block_length to divide gen_length={self.gen_length} "
-                            "(LLaDA's schedule assumes equal blocks)")
-    elif self.steps_per_block:
-      bad("steps_per_block", "only the fixed_steps decoder uses steps_per_block")
+    decoders.get(self.decoder).check_config(self)  # its knobs (every decoder's threshold in (0, 1])
+    # A knob that shapes another decoder's program is a mistake, not something to ignore.
+    for knob, owner in decoders.base.static_fields().items():
+      if owner != self.decoder and getattr(self, knob) != _DEFAULTS[knob]:
+        bad(knob, f"only the {owner} decoder uses {knob}")
     for knob in ("prefix_look", "after_look", "warmup_steps"):
       v = getattr(self, knob)
       if not isinstance(v, int) or v < 0:
@@ -117,16 +93,11 @@ class GenerationConfig:
     if self.temperature < 0:
       bad("temperature", "must be >= 0")
 
-  def program_config(self) -> "GenerationConfig":
-    """This config with every TRACED_KNOBS value replaced by a fixed one of the same structure: the
-    compiled program's cache key (configs that differ only in knob values share it)."""
-    return dataclasses.replace(self, threshold=1.0, low_threshold=0.0, credit_alpha=0.0, credit_gamma=1.0,
-                               credit_beta=1.0, cont_weight=1.0 if self.smoothing else 0.0,
-                               temperature=1.0 if self.temperature > 0 else 0.0)
-
-  def knob_values(self) -> dict[str, np.ndarray]:
-    """The TRACED_KNOBS as fp32 scalars: the compiled program's runtime arguments."""
-    return {k: np.float32(getattr(self, k)) for k in TRACED_KNOBS}
+  def token_ids(self, mcfg) -> tuple[int, int]:
+    """(mask id, EOS id): this config's, else the model config's."""
+    mask_id = self.mask_id if self.mask_id is not None else mcfg.mask_token_id
+    eos_id = self.eos_id if self.eos_id is not None else mcfg.eos_token_id
+    return int(mask_id), int(eos_id)
 
   @property
   def vicinity(self) -> bool:
@@ -138,3 +109,6 @@ class GenerationConfig:
 
   def replace(self, **kw) -> "GenerationConfig":
     return dataclasses.replace(self, **kw)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}

@@ -3,16 +3,16 @@
 - Iteration smoothing (dInfer's IterationSmooth): masked positions are fed back as
   E[MASK] + w_n * softmax(z) @ E, with w_n = min(0.15 + 0.02 n, cont_weight) and the decoder's threshold
   relaxed from 1 as tau_n = max(1 - 0.02 n, threshold); n counts the row's forwards so far.
-- The vicinity window of the cached step: [s - prefix_look, e + after_look).
-- The prefix cache's shrinking windows: the block and everything after it, in a few bucketed widths.
+- The prefix cache's shrinking windows: the block and everything after it, in a few bucketed widths, and the
+  same widths for smoothing's LM head over the rows from the block on.
+(The cached forwards' windows themselves are the cache policies': engine.cache_policy.)
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax.engine.config import (SMOOTH_THRESHOLD_DECAY, SMOOTH_WEIGHT_GROWTH, SMOOTH_WEIGHT_INIT,
-                                      GenerationConfig)
+from dinfer_jax.engine.config import SMOOTH_THRESHOLD_DECAY, SMOOTH_WEIGHT_GROWTH, SMOOTH_WEIGHT_INIT
 from dinfer_jax.model import quant
 
 
@@ -22,11 +22,11 @@ def smooth_weight(n: jax.Array, cont_weight: jax.Array | float) -> jax.Array:
                      jnp.asarray(cont_weight, jnp.float32))
 
 
-def step_threshold(n: jax.Array, gcfg: GenerationConfig, threshold: jax.Array | float) -> jax.Array:
-  """The threshold the decoder uses at a row's forward n: tau_n with smoothing (gcfg.smoothing, static),
-  else the configured one; `threshold` is its (traced) value."""
+def step_threshold(n: jax.Array, smoothing: bool, threshold: jax.Array | float) -> jax.Array:
+  """The threshold the decoder uses at a row's forward n: tau_n with smoothing (static), else the configured
+  one; `threshold` is its (traced) value."""
   threshold = jnp.asarray(threshold, jnp.float32)
-  if not gcfg.smoothing:
+  if not smoothing:
     return jnp.broadcast_to(threshold, n.shape)
   return jnp.maximum(1.0 - SMOOTH_THRESHOLD_DECAY * n.astype(jnp.float32), threshold)
 
@@ -83,23 +83,5 @@ def block_shares(widths: tuple[int, ...], gen_len: int, block_len: int) -> tuple
 
 def prefix_window_start(s: jax.Array, width: int, canvas_len: int) -> jax.Array:
   """c0 of a prefix window of this width: at the block start, or moved left to stay on the canvas (the
-  extra positions are recomputed as queries; their keys stay the cached ones, see cached_window)."""
+  extra positions are recomputed as queries; their keys stay the cached ones, see cache_policy.DualCache.window)."""
   return jnp.minimum(s, canvas_len - width).astype(jnp.int32)
-
-
-def cached_window(s: jax.Array, *, gcfg: GenerationConfig, first_block: int, canvas_len: int,
-                  width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Where the cached forward reads and which positions it refreshes.
-
-  Returns (c0, lo, hi): the fixed-width input window starts at canvas index c0; fresh K/V are written for
-  positions in [lo, hi) only. dInfer's window [max(0, s-pl), min(T, e+al)) changes width at the canvas
-  edges; a fixed width keeps one compiled shape, and writing only [lo, hi) keeps the attended keys equal.
-  """
-  B = gcfg.block_length
-  if gcfg.cache == "prefix":
-    # Block and everything after it, recomputed each step; the window starts at the first block.
-    return jnp.asarray(first_block, jnp.int32), s, jnp.asarray(canvas_len, jnp.int32)
-  lo = s - gcfg.prefix_look
-  hi = s + B + gcfg.after_look
-  c0 = jnp.clip(lo, 0, canvas_len - width)
-  return c0.astype(jnp.int32), lo, hi

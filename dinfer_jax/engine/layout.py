@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.engine import iteration
 from dinfer_jax.engine.config import GenerationConfig
 
 
@@ -32,7 +31,7 @@ class Grid:
   block_len: int
   window: int  # width of the cached forward's input (0 without a cache; the widest of `windows`)
   prefill_len: int  # block diffusion's prefill width (0 otherwise)
-  # Prefix cache: the bucketed widths its cached forward shrinks through (iteration.prefix_windows).
+  # Prefix cache: the bucketed widths its cached forward shrinks through (cache_policy.PrefixCache).
   windows: tuple[int, ...] = ()
 
 
@@ -71,11 +70,13 @@ def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def make_layout(prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, mcfg: ModelConfig, *,
-                block_diffusion: bool = False, batch_bucket: int | None = None) -> Layout:
+def make_layout(prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, mcfg: ModelConfig, policy: Any, *,
+                batch_bucket: int | None = None) -> Layout:
+  """The canvas of `prompts` for the cache policy (engine.cache_policy: block diffusion's layout, the cached
+  forward's window widths)."""
   B, G = gcfg.block_length, gcfg.gen_length
-  mask_id = gcfg.mask_id if gcfg.mask_id is not None else mcfg.mask_token_id
-  eos_id = gcfg.eos_id if gcfg.eos_id is not None else mcfg.eos_token_id
+  block_diffusion = policy.block_diffusion
+  mask_id, eos_id = gcfg.token_ids(mcfg)
   n = len(prompts)
   rows = batch_bucket or n
   lens = np.array([len(p) for p in prompts])
@@ -100,14 +101,7 @@ def make_layout(prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, mcfg: 
   step = math.lcm(gcfg.prompt_bucket, B) if block_diffusion else gcfg.prompt_bucket
   C = round_up(int(s0.max()), step)
   nb = math.ceil((B - 1 + G) / B) if aligned else math.ceil(G / B)
-  if gcfg.cache == "dual" and gcfg.vicinity:
-    window = gcfg.prefix_look + B + gcfg.after_look
-  elif gcfg.cache == "dual" or block_diffusion:
-    window = B
-  elif gcfg.cache == "prefix":
-    window = nb * B
-  else:
-    window = 0
+  window = policy.window_width(B, nb)
   Tc = max(C + nb * B, window)
   canvas = np.full((rows, Tc), eos_id, np.int32)
   valid = np.zeros((rows, Tc), bool)
@@ -123,7 +117,7 @@ def make_layout(prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, mcfg: 
     pos[r] = np.maximum(np.arange(Tc) - pr, 0)
   # Rows added only to fill a batch bucket stay invalid everywhere: they never decode and cost no NFE.
   prefill = max(C, B) if block_diffusion else 0
-  windows = iteration.prefix_windows(nb, B) if gcfg.cache == "prefix" and not block_diffusion else ()
+  windows = policy.window_widths(B, nb)
   grid = Grid(batch=rows, canvas_len=Tc, first_block=C, num_blocks=nb, block_len=B, window=window,
               prefill_len=prefill, windows=windows)
   return Layout(grid, canvas, valid, pos, pad, np.concatenate([lens, np.zeros(rows - n, int)]), end)

@@ -1,35 +1,132 @@
 """The whole denoising loop as one XLA program: blocks and steps under nested lax.while_loops.
 
-Per iteration every active row takes one forward chosen by the cache manager (cache.row_phase): a full
-canvas forward (no cache, warm-up, or block-entry refresh) or a cached window forward. Each kind runs at
-most once per iteration, batched over the rows that need it, under lax.cond so an iteration where no row
-needs a kind skips it. The decoder then commits tokens per row; rows that are waiting for others (their
-block is done) take no part: their tokens, counters and decoder state stay frozen, so every row behaves
-exactly as if it ran alone.
+Per block, every row runs steps until its block holds no mask. A step reads: the cache policy's phase for
+each row (which forward it takes) -> the policy's forwards (each kind at most once per step, batched over
+the rows that need it) -> the decoder on the block's logits -> smoothing's soft embeddings -> the commit and
+the counters. Rows whose block is done take no part: their tokens, counters and decoder state stay frozen,
+so every row behaves exactly as if it ran alone. The state is engine.state's structs; the static side is an
+engine.program.DenoiseProgram, the traced knobs an engine.program.Knobs.
 """
 from __future__ import annotations
 
 import functools
 import itertools
 import os
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from dinfer_jax import cache as cache_lib
-from dinfer_jax import decoders
-from dinfer_jax.cache import CACHED, FULL, REFRESH, KVCache
-from dinfer_jax.config import ModelConfig
+from dinfer_jax import cache as cache_lib  # noqa: F401  (KVCache pytrees cross this module)
 from dinfer_jax.engine import iteration
-from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.layout import Grid
+from dinfer_jax.engine.cache_policy import CACHED, FULL, REFRESH, rows_col
+from dinfer_jax.engine.program import DenoiseProgram, Knobs
+from dinfer_jax.engine.state import BlockCarry, Counters, GenState, RunOutput, constrain
 from dinfer_jax.model import quant
 from dinfer_jax.model.layers import slice_rows, update_rows
 from dinfer_jax.model.transformer import forward, lm_head
-from dinfer_jax.sharding import CACHE_AXES, CANVAS_AXES, EMBED_AXES, ROW_AXES, shard, shard_rows
+
+# A step's forwards, fixed by the caller where it knows what every active row takes: (run the full forward,
+# the cached forward's prefix-window index or None). None: picked per step at run time.
+Plan = tuple[bool, "int | None"]
+
+
+class Trace:
+  """What one trace of the program closes over: the static program and the call's traced arguments."""
+
+  def __init__(self, program: DenoiseProgram, params: dict, valid: jax.Array, positions: jax.Array,
+               row_keys: jax.Array, knobs: Knobs):
+    self.program, self.params, self.valid, self.positions, self.row_keys = program, params, valid, positions, row_keys
+    self.knobs = knobs
+    self.model, self.grid, self.decoder, self.policy = program.model, program.grid, program.decoder, program.cache
+    self.smoothing = program.smoothing
+    self.batch = valid.shape[0]
+    self.col = jnp.arange(valid.shape[1])
+    self.table = params["embed"]
+    # Python 0.0 keeps the argmax program; the traced value when this program samples.
+    self.temperature = knobs.temperature if program.sampling else 0.0
+    self.full_mask = self.policy.full_mask(valid, self.grid.block_len)
+
+  def forward(self, *args, **kw):
+    return forward(self.params, self.model, *args, **kw)
+
+
+class Block:
+  """One block of every row, as the step loop sees it: its start s ([] on the shared grid, [B] when every row
+  is at a block of its own), which rows take part, and the prefix cache's window for it."""
+
+  def __init__(self, tr: Trace, st: GenState):
+    g = tr.grid
+    self.tr = tr
+    self.s = g.first_block + st.block * g.block_len
+    per_row = jnp.ndim(self.s) == 1
+    # The prefix cache's window width for this block (one per block, not per step); rows at blocks of their
+    # own take the widest.
+    self.win = (iteration.prefix_window_index(self.s, widths=g.windows, gen_end=g.canvas_len)
+                if g.windows and not per_row else None)
+    self.windowed = len(g.windows) > 1 and not per_row
+    self.done = st.done
+    self.maskable = self.slice(tr.valid) & ~st.done[:, None]
+    # The row's canvas goes on after this block.
+    self.more_after = (tr.valid & (tr.col[None, :] >= rows_col(self.s) + g.block_len)).any(axis=1)
+
+  def slice(self, a: jax.Array) -> jax.Array:
+    return slice_rows(a, self.s, self.tr.grid.block_len)
+
+  def has_masks(self, canvas: jax.Array) -> jax.Array:
+    return (self.slice(canvas) == self.tr.program.mask_id).any(axis=1) & ~self.done
+
+
+class Roles(NamedTuple):
+  """[B] per row this step: masks_before (the block held a mask), active (takes part: a mask, or a forward
+  owed), full (takes the full forward), cached (takes the cached one), refresh (its full forward refreshes
+  its cache)."""
+  masks_before: jax.Array
+  active: jax.Array
+  full: jax.Array
+  cached: jax.Array
+  refresh: jax.Array
+
+
+class Schedule(NamedTuple):
+  """[B] per row this step, from its forward count n: the decoder's threshold (smoothing relaxes it), the
+  row's PRNG key, and smoothing's soft-embedding weight (None without smoothing)."""
+  threshold: jax.Array
+  keys: jax.Array
+  weight: jax.Array | None
+
+
+def schedule(tr: Trace, n: jax.Array) -> Schedule:
+  return Schedule(iteration.step_threshold(n, tr.smoothing, tr.knobs.decoder.threshold),
+                  jax.vmap(jax.random.fold_in)(tr.row_keys, n),
+                  iteration.smooth_weight(n, tr.knobs.cont_weight) if tr.smoothing else None)
+
+
+class Forwards(NamedTuple):
+  """A step's forward outputs: full (the full forward's block logits, or with smoothing its final-normed
+  generation rows; zeros where it did not run), cache, cached_logits / c0 / write (the cached forward's
+  logits, window start and written positions; None without a cache)."""
+  full: jax.Array
+  cache: Any
+  cached_logits: jax.Array | None
+  c0: jax.Array | None
+  write: jax.Array | None
+
+
+def decode_rows(decoder, state, logits, tokens, maskable, knobs, threshold, keys, *, mask_id, temperature):
+  """Runs the decoder row by row (vmap of batch-1 calls), so each row has its own threshold (the smoothing
+  schedule is per row), its own decoder state and its own PRNG key."""
+  def one(st, lg, tk, mk, th, key):
+    nt, cm, ns = decoder.step(st, lg[None], tk[None], mk[None], knobs.replace(threshold=th), mask_id=mask_id,
+                              temperature=temperature, rng=key)
+    return nt[0], cm[0], ns
+  return jax.vmap(one)(state, logits, tokens, maskable, threshold, keys)
+
+
+def init_rows(decoder, tokens, maskable):
+  return jax.vmap(lambda tk, mk: decoder.init_state(tk[None], mk[None]))(tokens, maskable)
 
 
 def _where_rows(rows: jax.Array, new, old):
@@ -39,433 +136,260 @@ def _where_rows(rows: jax.Array, new, old):
   return jax.tree_util.tree_map(sel, new, old)
 
 
-def _decode_rows(decoder, state, logits, tokens, maskable, thr, keys, *, mask_id, temperature):
-  """Runs the decoder row by row (vmap of batch-1 calls), so each row can have its own threshold (the
-  smoothing schedule is per row) and its own decoder state."""
-  def one(st, lg, tk, mk, th, key):
-    nt, cm, ns = decoder.step(st, lg[None], tk[None], mk[None], mask_id=mask_id, threshold=th,
-                              temperature=temperature, rng=key)
-    return nt[0], cm[0], ns
-  return jax.vmap(one)(state, logits, tokens, maskable, thr, keys)
+# ----------------------------------------------------------------------------- one step
+
+def roles(tr: Trace, blk: Block, b: BlockCarry) -> Roles:
+  masks_before = blk.has_masks(b.gen.canvas)
+  active = masks_before | b.owed
+  phase = tr.policy.phase(b.gen.n, b.refreshed)
+  return Roles(masks_before, active, active & ((phase == FULL) | (phase == REFRESH)), active & (phase == CACHED),
+               active & (phase == REFRESH))
 
 
-def _constrain(st: dict[str, Any]) -> dict[str, Any]:
-  """Pins the loop carry to its logical axes (batch rows on "data", the cache's kv heads on "tensor"), so
-  GSPMD keeps the state split the same way in every iteration; a no-op without a mesh."""
-  axes = {"canvas": CANVAS_AXES, "commit": CANVAS_AXES, "emb": EMBED_AXES}
-  out = {}
-  for k, v in st.items():
-    if k == "cache":  # one buffer per layer
-      out[k] = jax.tree_util.tree_map(lambda a: shard(a, CACHE_AXES[1:]), v)
-    elif k == "dec":
-      out[k] = shard_rows(v)
-    elif k in axes:
-      out[k] = shard(v, axes[k])
-    elif k == "n_window":  # a counter per window width, not per row
-      out[k] = v
+def run_forwards(tr: Trace, blk: Block, b: BlockCarry, r: Roles, plan: Plan | None) -> Forwards:
+  """The step's forwards. plan None picks them at run time: one switch over every combination the rows may
+  need, not one conditional per forward kind (on GPU each conditional's predicate is read by the host, so two
+  cost two syncs per step) and not nested ones (XLA copies the cache buffers that a nested conditional's
+  branches update in place). Branch full * len(cacheds) + cached, cached = 0 (none) or 1 + the prefix window's
+  index; in practice every active row takes one of the forwards, so (neither) is never taken."""
+  pol, g = tr.policy, tr.grid
+  if plan is not None:
+    return _plan(tr, blk, r, *plan)(b)
+  fulls = (False, True) if pol.has_full else (False,)
+  cacheds = ((None,) + (tuple(range(len(g.windows))) if blk.windowed else (0,))) if pol.has_cache else (None,)
+  idx = jnp.zeros((), jnp.int32)
+  if pol.has_full:
+    idx = idx + r.full.any().astype(jnp.int32) * len(cacheds)
+  if pol.has_cache:
+    idx = idx + jnp.where(r.cached.any(), 1 + (blk.win if blk.windowed else 0), 0).astype(jnp.int32)
+  return Forwards(*jax.lax.switch(idx, [_plan(tr, blk, r, f, c) for f in fulls for c in cacheds], b))
+
+
+def _plan(tr: Trace, blk: Block, r: Roles, do_full: bool, cached: int | None) -> Callable[[BlockCarry], Forwards]:
+  """One combination of forwards: the full one or not, and the cached one (with the prefix window's index
+  into grid.windows) or not (None). What did not run is zeros."""
+  pol, g, B, V = tr.policy, tr.grid, tr.batch, tr.model.vocab_size
+
+  def branch(b: BlockCarry) -> Forwards:
+    st = b.gen
+    if do_full:
+      fl, cache = pol.full_forward(tr, blk, st, r.refresh)
     else:
-      out[k] = shard(v, ROW_AXES) if v.ndim == 1 else v
-  return out
+      fl = (jnp.zeros((B, g.canvas_len - g.first_block, tr.model.d_model), tr.table.dtype) if tr.smoothing
+            else jnp.zeros((B, g.block_len, V), jnp.float32))
+      cache = st.cache
+    if not pol.has_cache:
+      return Forwards(fl, cache, None, None, None)
+    # The cached forward reads the cache as refreshed by this step's full forward (a refreshing row is never
+    # cached in the same step, so that read only matters for other rows: unchanged).
+    if cached is not None:
+      logits, cache, c0, write = pol.cached_forward(tr, blk, st.replace(cache=cache), r.cached, cached)
+      return Forwards(fl, cache, logits, c0, write)
+    c0, _, _ = pol.window(tr, blk.s)
+    zeros = jnp.zeros((B, g.window if tr.smoothing else g.block_len, V), jnp.float32)
+    return Forwards(fl, cache, zeros, jnp.asarray(c0, jnp.int32), jnp.zeros((B, g.window), bool))
+  return branch
 
 
-def _init_rows(decoder, tokens, maskable):
-  return jax.vmap(lambda tk, mk: decoder.init_state(tk[None], mk[None]))(tokens, maskable)
+class Update(NamedTuple):
+  """What a step's decode writes: the decoder state, canvas, commit steps and (smoothing) embeddings."""
+  dec: Any
+  canvas: jax.Array
+  commit: jax.Array
+  emb: jax.Array | None
 
 
-def run(params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array, seed: jax.Array,
-        knobs: dict[str, jax.Array] | None = None, *,
-        mcfg: ModelConfig, gcfg: GenerationConfig, grid: Grid, decoder: Any, mode: str,
-        block_causal: bool, mask_id: int, eos_id: int, stream: bool = False,
-        stream_id: jax.Array | None = None) -> dict[str, jax.Array]:
-  """The jitted body (see engine.generate for the host side).
-
-  Args:
-    canvas [B, Tc] int32, valid [B, Tc] bool, positions [B, Tc] int32: from layout.make_layout.
-    seed: a PRNG key.
-    knobs: GenerationConfig.knob_values() (fp32 scalars): the thresholds, temperature and smoothing cap as
-      runtime values, with gcfg = its program_config() so that one program serves every value. None: gcfg's
-      own values, compiled in.
-    mode: "none" | "prefix" | "dual" | "block_diffusion".
-    block_causal: full forwards use LLaDA2's block-causal mask (block diffusion without a cache).
-    stream, stream_id: when stream, every finished block's canvas goes to the host callback registered
-      under stream_id (register_stream) while the program runs.
-  Returns: dict with canvas [B, Tc], commit [B, Tc] (1-based forward index of the row, -1 never),
-    row_nfe [B], nfe [] (forwards executed by the call), full/cached forward counts, n_window: cached
-    forwards per prefix window width (grid.windows).
-  """
-  Bsz, Tc = canvas.shape
-  knobs = gcfg.knob_values() if knobs is None else knobs
-  row_keys = jax.vmap(lambda r: jax.random.fold_in(seed, r))(jnp.arange(Bsz))
-  st = init_state(params, canvas, valid, mcfg=mcfg, gcfg=gcfg, grid=grid, mode=mode)
-  if mode == "block_diffusion":
-    # Prefill the prompt's blocks with the block-causal mask (dInfer's BlockDiffusionRunner.prefill).
-    P = grid.prefill_len
-    blk_of = jnp.arange(P) // grid.block_len
-    bc = (blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :P]
-    out = forward(params, mcfg, canvas[:, :P], positions=positions[:, :P], mask=bc, kv_layers=True)
-    st["cache"] = jax.tree_util.tree_map(lambda c, n: c.at[:, :P].set(n.astype(c.dtype)), st["cache"], out.kv)
-    st["nfe"] = st["nfe"] + 1
-    st["n"] = st["n"] + 1
-
-  body = block_body(params, valid, positions, row_keys, knobs, mcfg=mcfg, gcfg=gcfg, grid=grid, decoder=decoder,
-                    mode=mode, block_causal=block_causal, mask_id=mask_id, eos_id=eos_id)
-
-  def one_block(st):
-    out = body(st)
-    if stream:  # the block is final: hand it to the host now, not when the whole program returns
-      io_callback(_emit_block, None, stream_id, st["block"], out["canvas"], ordered=True)
-    return out
-
-  def block_cond(st):
-    return (st["block"] < grid.num_blocks) & ~st["done"].all()
-
-  st = jax.lax.while_loop(block_cond, one_block, st)
-  return {"canvas": st["canvas"], "commit": st["commit"], "row_nfe": st["n"], "nfe": st["nfe"],
-          "n_full": st["n_full"], "n_cached": st["n_cached"], "n_window": st["n_window"]}
-
-
-def init_state(params: dict, canvas: jax.Array, valid: jax.Array, *, mcfg: ModelConfig, gcfg: GenerationConfig,
-               grid: Grid, mode: str, block: jax.Array | None = None) -> dict[str, Any]:
-  """The loop carry before the first block: block a scalar (the offline loop's shared block grid) or, given
-  as [B], one block index per row (continuous batching)."""
-  Bsz, Tc = canvas.shape
-  st: dict[str, Any] = {
-      "canvas": canvas,
-      "commit": jnp.full((Bsz, Tc), -1, jnp.int32),
-      "n": jnp.zeros((Bsz,), jnp.int32),
-      "nfe": jnp.zeros((), jnp.int32),
-      "n_full": jnp.zeros((), jnp.int32),
-      "n_cached": jnp.zeros((), jnp.int32),
-      "done": ~valid.any(axis=1),
-      "block": jnp.zeros((), jnp.int32) if block is None else block,
-      # cached forwards per prefix window width (grid.windows); one unused slot in the other modes
-      "n_window": jnp.zeros((max(len(grid.windows), 1),), jnp.int32),
-  }
-  if gcfg.smoothing:
-    st["emb"] = quant.take_rows(params["embed"], canvas)
-  if mode in ("prefix", "dual", "block_diffusion"):
-    # One buffer per layer: cached forwards update them in place (transformer.forward keep_cache).
-    st["cache"] = KVCache.zeros(mcfg.n_layers, Bsz, Tc, mcfg.n_kv_heads, mcfg.head_dim, params["embed"].dtype,
-                                per_layer=True)
-  return _constrain(st)
-
-
-def block_body(params: dict, valid: jax.Array, positions: jax.Array, row_keys: jax.Array,
-               knobs: dict[str, jax.Array], *, mcfg: ModelConfig, gcfg: GenerationConfig, grid: Grid,
-               decoder: Any, mode: str, block_causal: bool, mask_id: int, eos_id: int):
-  """The function that decodes one block of every row: st -> st (init_state's carry), run by `run`'s block
-  loop and, one call per program, by continuous batching (engine.slots).
-
-  With a scalar st["block"] every row's block starts at the same canvas index (layout's shared grid); with
-  [B] blocks each row's block is its own, and slices of the canvas, the logits and the cache window are
-  taken per row (gathers instead of dynamic slices). Rows whose `done` is set take no part.
-  """
-  Bsz, Tc = valid.shape
-  L, C, W = grid.block_len, grid.first_block, grid.window
-  decoder = decoders.with_knobs(decoder, knobs)
-  # Python 0.0 keeps the argmax program; a value means this program samples (gcfg.temperature > 0).
-  temperature = knobs["temperature"] if gcfg.temperature > 0 else 0.0
-  smoothing = gcfg.smoothing
-  cached_mode = mode in ("prefix", "dual", "block_diffusion")
-  table = params["embed"]
-  col = jnp.arange(Tc)
-  warmup = gcfg.warmup_steps if gcfg.vicinity else 0
-  # Per block: at most L commit steps, plus the refresh's owed cached step, the warm-up forwards and block
-  # diffusion's final forward, all counted per row and rows can be out of step with each other.
-  max_iters = 2 * (L + warmup + 2)
-  rows_col = lambda x: jnp.reshape(x, (-1, 1))  # noqa: E731  a scalar or [B] per-row index, as a column
-
-  blk_of = col // L  # canvas blocks; block diffusion keeps pads whole blocks, so these are position blocks
-  if block_causal:
-    full_mask = (blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]
+def decode(tr: Trace, blk: Block, b: BlockCarry, r: Roles, sc: Schedule, fw: Forwards, may: tuple[bool, bool],
+           full_logits: jax.Array | None, f0: int | jax.Array) -> Update:
+  """The step after its forwards: decode the block, commit, and (smoothing) soft-embed what is still masked.
+  full_logits: the full forward's logits of canvas rows [f0, Tc) with smoothing (of the block without);
+  may: (the full forward may have run, the cached one may have run) in this step."""
+  may_full, may_cached = may
+  st, p = b.gen, tr.program
+  if tr.smoothing:
+    full_blk = None if full_logits is None else slice_rows(full_logits, blk.s - f0, tr.grid.block_len)
+    cached_blk = None if fw.cached_logits is None else slice_rows(fw.cached_logits, blk.s - fw.c0, tr.grid.block_len)
   else:
-    full_mask = valid
+    full_blk, cached_blk = full_logits, fw.cached_logits
+  if not may_cached:
+    logits = full_blk
+  elif not may_full:
+    logits = cached_blk
+  else:
+    logits = jnp.where(r.full[:, None, None], full_blk, cached_blk)
 
-  def full_forward(st, s, rows_refresh):
-    """Whole-canvas forward; refresh rows take its K/V into their cache. Returns the block's logits, or with
-    smoothing the final-normed rows of the generation region [C, Tc): step_body takes the rows from the
-    block on through the LM head (the prompt holds no mask, nor do the blocks before this one)."""
-    inp = {"embeds": st["emb"]} if smoothing else {"tokens": st["canvas"]}
-    lg = {"logits_start": C, "logits_len": Tc - C} if smoothing else {"logits_start": s, "logits_len": L}
-    out = forward(params, mcfg, positions=positions, mask=full_mask, kv_layers=cached_mode, head=not smoothing,
-                  **inp, **lg)
-    new_cache = cache_lib.select_rows(rows_refresh, out.kv, st["cache"]) if cached_mode else None
-    return (out.hidden if smoothing else out.logits), new_cache
+  tokens = blk.slice(st.canvas)
+  new_tokens, committed, new_dec = decode_rows(tr.decoder, b.dec, logits, tokens, blk.maskable, tr.knobs.decoder,
+                                               sc.threshold, sc.keys, mask_id=p.mask_id, temperature=tr.temperature)
+  committed = committed & r.active[:, None]
+  new_tokens = jnp.where(r.active[:, None], new_tokens, tokens)
+  canvas = update_rows(st.canvas, new_tokens, blk.s)
+  step_idx = st.n + 1  # this forward's 1-based index for the row
+  commit = update_rows(st.commit, jnp.where(committed, step_idx[:, None], blk.slice(st.commit)), blk.s)
+  emb = smooth(tr, b, r, sc, fw, may, canvas, full_logits, f0) if tr.smoothing else st.emb
+  return Update(_where_rows(r.active, new_dec, b.dec), canvas, commit, emb)
 
-  def window_forward(st, s, c0, width, key_mask, write):
-    """Forward of the canvas window [c0, c0 + width) over the cache; fresh K/V where `write`. Prefix and
-    dual caches: the forward writes the window's fresh K/V into the cache buffers in place (out.kv is the
-    cache, to carry on instead of st["cache"]). Nothing reads those slots before they are written again:
-    every cached forward of the block rewrites the same [lo, hi) before attending, and the next block's
-    refresh rewrites the whole cache (rows that sit a step out, or run full warm-up forwards, refresh before
-    their next cached forward). So the cache attended to equals dInfer's block-entry cache with the window
-    replaced, as before, without putting the old slots back (4 fewer kernels per layer). Block diffusion
-    gets the attended K/V to persist."""
-    if smoothing:
-      inp = {"embeds": slice_rows(st["emb"], c0, width)}
-      lg = {}
-    else:
-      inp = {"tokens": slice_rows(st["canvas"], c0, width)}
-      lg = {"logits_start": s - c0, "logits_len": L}
-    return forward(params, mcfg, positions=slice_rows(positions, c0, width),
-                   mask=key_mask, cache=st["cache"], cache_start=c0, write_mask=write,
-                   keep_cache=mode != "block_diffusion", **inp, **lg)
 
-  def prefix_forward(st, s, width):
-    """The prefix cache's cached forward over the narrowest bucketed window that holds the block and
-    everything after it (grid.windows; the iteration's switch has one branch per width), not the whole
-    generation every time. With smoothing the window's logits go back to the widest window's coordinates
-    (it starts at C), where the rest of the step expects them."""
-    c0 = iteration.prefix_window_start(s, width, Tc)
-    write = jnp.broadcast_to((c0 + jnp.arange(width) >= s)[None, :], (Bsz, width))
-    out = window_forward(st, s, c0, width, valid, write)
-    logits = out.logits
-    if smoothing:
-      logits = jax.lax.dynamic_update_slice_in_dim(
-          jnp.zeros((Bsz, W, mcfg.vocab_size), logits.dtype), logits, c0 - C, axis=1)
-    write = jnp.broadcast_to((C + jnp.arange(W) >= s)[None, :], (Bsz, W))
-    return logits, out.kv, jnp.asarray(C, jnp.int32), write
+def smooth(tr: Trace, b: BlockCarry, r: Roles, sc: Schedule, fw: Forwards, may: tuple[bool, bool],
+           canvas: jax.Array, full_logits: jax.Array | None, f0: int | jax.Array) -> jax.Array:
+  """Iteration smoothing: the positions each forward saw get E[x] + w * softmax(z) @ E where still masked."""
+  may_full, may_cached = may
+  W, mask_id = tr.grid.window, tr.program.mask_id
+  w, emb = sc.weight, b.gen.emb
+  if may_full:
+    soft_full = iteration.soft_embed(tr.table, canvas[:, f0:], full_logits, (canvas == mask_id)[:, f0:], w)
+    emb = emb.at[:, f0:].set(jnp.where(r.full[:, None, None], soft_full, emb[:, f0:]))
+  if may_cached:
+    wtok = slice_rows(canvas, fw.c0, W)
+    soft_win = iteration.soft_embed(tr.table, wtok, fw.cached_logits, wtok == mask_id, w)
+    upd = r.cached[:, None, None] & fw.write[:, :, None]
+    emb = update_rows(emb, jnp.where(upd, soft_win, slice_rows(emb, fw.c0, W)), fw.c0)
+  return emb
 
-  def body(st):
-    s = C + st["block"] * L  # [] or [B]
-    per_row = jnp.ndim(s) == 1
-    # The prefix cache's window width for this block (one per block, not per step); rows at blocks of their
-    # own take the widest.
-    win = iteration.prefix_window_index(s, widths=grid.windows, gen_end=Tc) if grid.windows and not per_row else None
-    windowed = mode == "prefix" and len(grid.windows) > 1 and not per_row
-    blk = lambda a: slice_rows(a, s, L)  # noqa: E731
-    maskable = blk(valid) & ~st["done"][:, None]
-    more_after = (valid & (col[None, :] >= rows_col(s) + L)).any(axis=1)  # the row's canvas goes on after this block
-    bst = dict(st)
-    bst["dec"] = _init_rows(decoder, blk(st["canvas"]), maskable)
-    bst["refreshed"] = jnp.zeros((Bsz,), bool)
-    # dinfer_compat: the cached step dInfer owes after a refresh, run even when the refresh left no mask.
-    bst["forced"] = jnp.zeros((Bsz,), bool)
-    bst["final"] = jnp.zeros((Bsz,), bool)  # block diffusion's clean-K/V forward after the last commit
-    bst["iters"] = jnp.zeros((), jnp.int32)
-    bst = _constrain(bst)
 
-    def cached_forward(st, rows_persist, win):
-      """Window forward over the cache; block diffusion persists the fresh K/V of its rows. win: the prefix
-      window's index into grid.windows (static: one switch branch per width)."""
-      if windowed:
-        return prefix_forward(st, s, grid.windows[win])
-      if mode == "block_diffusion":
-        c0, lo, hi = s, s, s + L
-        key_mask = valid & (col[None, :] < rows_col(s) + L)  # the cache holds exactly the positions before the block end
-      else:
-        c0, lo, hi = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W)
-        key_mask = valid
-      wcol = rows_col(c0) + jnp.arange(W)
-      write = jnp.broadcast_to((wcol >= rows_col(lo)) & (wcol < rows_col(hi)), (Bsz, W))
-      out = window_forward(st, s, c0, W, key_mask, write)
-      if mode == "block_diffusion":
-        return out.logits, cache_lib.select_rows(rows_persist, out.kv, st["cache"]), c0, write
-      return out.logits, out.kv, c0, write  # the cache, updated in place
+def decode_step(tr: Trace, blk: Block, b: BlockCarry, r: Roles, sc: Schedule, fw: Forwards,
+                may: tuple[bool, bool]) -> Update:
+  """decode, with smoothing's LM head where the full forward ran: over the rows from the block on,
+  [Tc - width, Tc) in the narrowest of a few bucketed widths that holds them (iteration.tail_widths: 10.75 of
+  16 blocks on average): the blocks before hold no mask, their embeddings are already their tokens'. Both the
+  head and the soft embedding are [rows, V] x [V, D] products, a third of a batch-8 refresh at 7B-A1B. Only
+  where every row runs the full forward (the block entry, no cache) and shares the block; the step's other
+  iterations keep one width, so no conditional is added to them."""
+  may_full, may_cached = may
+  if not (tr.smoothing and may_full):
+    return decode(tr, blk, b, r, sc, fw, may, fw.full if may_full else None, blk.s)
+  g = tr.grid
+  C, Tc = g.first_block, g.canvas_len
+  widths = (Tc - C,)
+  if not may_cached and jnp.ndim(blk.s) == 0:
+    widths = iteration.tail_widths(Tc - C, g.block_len)
+  branches = [lambda bb, f0=Tc - wd: decode(tr, blk, bb, r, sc, fw, may, lm_head(tr.params, fw.full[:, f0 - C:]),
+                                            f0) for wd in widths]
+  rest = b.replace(gen=b.gen.replace(cache=None))  # the cache stays out of the conditional
+  if len(widths) == 1:
+    return branches[0](rest)
+  return jax.lax.switch(iteration.prefix_window_index(blk.s, widths=widths, gen_end=Tc), branches, rest)
 
-    def has_masks(cv):
-      return (blk(cv) == mask_id).any(axis=1) & ~st["done"]
 
-    def step_cond(b):
-      # The iteration cap is a backstop against a decoder that stops committing (every decoder commits at
-      # least one token per row per step while masks remain, so it is never reached in practice): a device
-      # loop that never ends would hang the whole program with no way to interrupt it.
-      return (has_masks(b["canvas"]) | b["forced"] | b["final"]).any() & (b["iters"] < max_iters)
+def step(tr: Trace, blk: Block, b: BlockCarry, plan: Plan | None) -> BlockCarry:
+  """One iteration: phase -> the policy's forwards -> decode -> smoothing -> commit, then the counters."""
+  pol = tr.policy
+  r = roles(tr, blk, b)
+  fw = run_forwards(tr, blk, b, r, plan)
+  # Which forwards this step may run. Where the plan fixed them, the other kind's logits are zeros and every
+  # use of them is dead; tracing that use anyway is not free: XLA cannot drop a soft embedding of zero logits
+  # behind a runtime select, and the full canvas's (uniform probabilities times the whole table: [B*Tc, V] x
+  # [V, D], ~1 ms on an H200 at 7B-A1B) ran in every cached step.
+  may = (pol.has_full and (plan is None or plan[0]), pol.has_cache and (plan is None or plan[1] is not None))
+  up = decode_step(tr, blk, b, r, schedule(tr, b.gen.n), fw, may)
+  ran_full, ran_cached = r.full.any().astype(jnp.int32), r.cached.any().astype(jnp.int32)
+  c = b.gen.counters
+  counters = c.replace(nfe=c.nfe + ran_full + ran_cached, n_full=c.n_full + ran_full,
+                       n_cached=c.n_cached + ran_cached,
+                       n_window=c.n_window if blk.win is None else c.n_window.at[blk.win].add(ran_cached))
+  gen = b.gen.replace(canvas=up.canvas, commit=up.commit, emb=up.emb, n=b.gen.n + r.active.astype(jnp.int32),
+                      counters=counters, cache=fw.cache if pol.has_cache else b.gen.cache)
+  return constrain(BlockCarry(gen=gen, dec=up.dec, refreshed=b.refreshed | r.refresh,
+                              owed=pol.owed_after(tr, blk, b.owed, r, up.canvas), iters=b.iters + 1))
 
-    def step_body(b, branch=None):
-      """One iteration. branch: None picks the forwards at run time (a lax.switch over every combination the
-      rows may need); (do_full, cached) runs that one combination, for an iteration where the caller knows
-      what every active row takes (no conditional: on GPU each conditional's index is read by the host)."""
-      masks_before = has_masks(b["canvas"])
-      active = masks_before | b["forced"] | b["final"]
-      phase = cache_lib.row_phase(cache_mode=mode, vicinity_warmup=warmup, n=b["n"], refreshed=b["refreshed"])
-      use_full = active & ((phase == FULL) | (phase == REFRESH))
-      use_cached = active & (phase == CACHED)
-      refresh_rows = active & (phase == REFRESH)
-      nb = dict(b)
 
-      V = mcfg.vocab_size
-      full_zeros = (jnp.zeros((Bsz, Tc - C, mcfg.d_model), table.dtype) if smoothing
-                    else jnp.zeros((Bsz, L, V), jnp.float32))
-      win_shape = (Bsz, W if smoothing else L, V)
-      can_full, can_cached = mode != "block_diffusion", cached_mode
+class Steps:
+  """The step loop of one block, as a cache policy lays it out (CachePolicy.run_steps)."""
 
-      def run_forwards(do_full: bool, cached: int | None):
-        """One branch of the iteration's switch: the full forward or not, and the cached one (with the
-        prefix window's index into grid.windows) or not (None)."""
-        do_cached = cached is not None
+  def __init__(self, tr: Trace, blk: Block):
+    self.tr, self.blk = tr, blk
+    # Per block: at most L commit steps, plus the refresh's owed cached step, the warm-up forwards and block
+    # diffusion's final forward, all counted per row and rows can be out of step with each other.
+    self.max_iters = 2 * (tr.grid.block_len + tr.policy.warmup_steps + 2)
 
-        def branch(b):
-          if do_full:
-            fl, cache = full_forward(b, s, refresh_rows)
-          else:
-            fl, cache = full_zeros, b.get("cache")
-          if not can_cached:
-            return fl, cache
-          # The cached forward reads the cache as refreshed by this iteration's full forward (a refreshing
-          # row is never cached in the same iteration, so that read only matters for other rows: unchanged).
-          if do_cached:
-            cl, cache, c0, write = cached_forward(dict(b, cache=cache), use_cached, cached)
-          else:
-            c0, _, _ = iteration.cached_window(s, gcfg=gcfg, first_block=C, canvas_len=Tc, width=W) \
-                if mode != "block_diffusion" else (s, s, s + L)
-            cl, c0, write = jnp.zeros(win_shape, jnp.float32), jnp.asarray(c0, jnp.int32), jnp.zeros((Bsz, W), bool)
-          return fl, cache, cl, c0, write
-        return branch
+  def cond(self, b: BlockCarry) -> jax.Array:
+    # The iteration cap is a backstop against a decoder that stops committing (every decoder commits at least
+    # one token per row per step while masks remain, so it is never reached in practice): a device loop that
+    # never ends would hang the whole program with no way to interrupt it.
+    return (self.blk.has_masks(b.gen.canvas) | b.owed).any() & (b.iters < self.max_iters)
 
-      # One conditional per iteration, not one per forward kind (on GPU each conditional's predicate is
-      # read by the host, so two of them cost two syncs per step) and not nested: XLA copies the cache
-      # buffers that a nested conditional's branches update in place. Branch full * len(cacheds) + cached,
-      # cached = 0 (none) or 1 + the prefix window's index; in practice every active row takes one of the
-      # forwards, so (neither) is never taken.
-      fulls = (False, True) if can_full else (False,)
-      cacheds = (None,) + (tuple(range(len(grid.windows))) if windowed else (0,)) if can_cached else (None,)
-      branches = [run_forwards(f, c) for f in fulls for c in cacheds]
-      idx = jnp.zeros((), jnp.int32)
-      if can_full:
-        idx = idx + use_full.any().astype(jnp.int32) * len(cacheds)
-      if can_cached:
-        idx = idx + jnp.where(use_cached.any(), 1 + (win if windowed else 0), 0).astype(jnp.int32)
-      outs = jax.lax.switch(idx, branches, b) if branch is None else run_forwards(*branch)(b)
-      # Which forwards this iteration may run. Where the caller fixed the branch, the other kind's logits are
-      # zeros and every use of them is dead; tracing that use anyway is not free: XLA cannot drop a
-      # soft embedding of zero logits behind a runtime select, and the full canvas's (uniform probabilities
-      # times the whole table: [B*Tc, V] x [V, D], ~1 ms on an H200 at 7B-A1B) ran in every cached step.
-      may_full = can_full and (branch is None or branch[0])
-      may_cached = can_cached and (branch is None or branch[1] is not None)
-      if can_cached:
-        full_out, _, cached_logits, c0, write = outs
-        nb["cache"] = outs[1]
-      else:
-        (full_out, _), cached_logits, c0, write = outs, None, None, None
+  def in_warmup(self, b: BlockCarry) -> jax.Array:
+    """Some active row is still in the vicinity warm-up or has not refreshed yet: its forward is picked."""
+    active = self.blk.has_masks(b.gen.canvas) | b.owed
+    return (active & ((b.gen.n < self.tr.policy.warmup_steps) | ~b.refreshed)).any()
 
-      thr = iteration.step_threshold(b["n"], gcfg, knobs["threshold"])
-      keys = jax.vmap(jax.random.fold_in)(row_keys, b["n"])
-      w = iteration.smooth_weight(b["n"], knobs["cont_weight"]) if smoothing else None
+  def step(self, b: BlockCarry, plan: Plan | None) -> BlockCarry:
+    return step(self.tr, self.blk, b, plan)
 
-      def decode(b, full_logits, f0):
-        """The iteration after its forwards: decode the block, commit, and (smoothing) soft-embed what is
-        still masked. full_logits: the full forward's logits of canvas rows [f0, Tc) with smoothing (of the
-        block without)."""
-        nb = {}
-        # The block's logits per row, from whichever forward the row took.
-        if smoothing:
-          full_blk = None if full_logits is None else slice_rows(full_logits, s - f0, L)
-          cached_blk = None if cached_logits is None else slice_rows(cached_logits, s - c0, L)
-        else:
-          full_blk, cached_blk = full_logits, cached_logits
-        if not may_cached:
-          logits = full_blk
-        elif not may_full:
-          logits = cached_blk
-        else:
-          logits = jnp.where(use_full[:, None, None], full_blk, cached_blk)
+  def loop(self, b: BlockCarry, plan: Plan | None, also: Callable[[BlockCarry], jax.Array] | None = None):
+    cond = self.cond if also is None else (lambda c: self.cond(c) & also(c))
+    return jax.lax.while_loop(cond, functools.partial(self.step, plan=plan), b)
 
-        tokens = blk(b["canvas"])
-        new_tokens, committed, new_dec = _decode_rows(decoder, b["dec"], logits, tokens, maskable, thr, keys,
-                                                      mask_id=mask_id, temperature=temperature)
-        committed = committed & active[:, None]
-        new_tokens = jnp.where(active[:, None], new_tokens, tokens)
-        nb["dec"] = _where_rows(active, new_dec, b["dec"])
-        nb["canvas"] = update_rows(b["canvas"], new_tokens, s)
-        step_idx = b["n"] + 1  # this forward's 1-based index for the row
-        commit_blk = jnp.where(committed, step_idx[:, None], blk(b["commit"]))
-        nb["commit"] = update_rows(b["commit"], commit_blk, s)
 
-        if smoothing:
-          masked_now = nb["canvas"] == mask_id
-          emb = b["emb"]
-          if may_full:
-            soft_full = iteration.soft_embed(table, nb["canvas"][:, f0:], full_logits, masked_now[:, f0:], w)
-            emb = emb.at[:, f0:].set(jnp.where(use_full[:, None, None], soft_full, emb[:, f0:]))
-          if may_cached:
-            wtok = slice_rows(nb["canvas"], c0, W)
-            soft_win = iteration.soft_embed(table, wtok, cached_logits, wtok == mask_id, w)
-            old_win = slice_rows(emb, c0, W)
-            upd = use_cached[:, None, None] & write[:, :, None]
-            emb = update_rows(emb, jnp.where(upd, soft_win, old_win), c0)
-          nb["emb"] = emb
-        return nb
+# ----------------------------------------------------------------------------- one block, the whole program
 
-      if not (smoothing and may_full):
-        nb.update(decode(b, full_out if may_full else None, s))
-      else:
-        # The LM head and the soft embedding over the rows from the block on, [Tc - width, Tc) in the
-        # narrowest of a few bucketed widths that holds them (iteration.tail_widths: 10.75 of 16 blocks on
-        # average): the blocks before hold no mask, their embeddings are already their tokens'. Both are
-        # [rows, V] x [V, D] products, a third of a batch-8 refresh at 7B-A1B. Only where every row runs the
-        # full forward (the block entry, no cache) and shares the block; the step's other iterations keep
-        # one width, so no conditional is added to them.
-        widths = (Tc - C,)
-        if not may_cached and jnp.ndim(s) == 0:
-          widths = iteration.tail_widths(Tc - C, L)
-        branches = [lambda bb, f0=Tc - wd: decode(bb, lm_head(params, full_out[:, f0 - C:]), f0) for wd in widths]
-        rest = {k: v for k, v in b.items() if k != "cache"}  # the cache stays out of the conditional
-        if len(widths) == 1:
-          nb.update(branches[0](rest))
-        else:
-          tail = iteration.prefix_window_index(s, widths=widths, gen_end=Tc)
-          nb.update(jax.lax.switch(tail, branches, rest))
-
-      nb["iters"] = b["iters"] + 1
-      nb["n"] = b["n"] + active.astype(jnp.int32)
-      ran_full = use_full.any().astype(jnp.int32)
-      ran_cached = use_cached.any().astype(jnp.int32)
-      nb["nfe"] = b["nfe"] + ran_full + ran_cached
-      nb["n_full"] = b["n_full"] + ran_full
-      nb["n_cached"] = b["n_cached"] + ran_cached
-      if win is not None:
-        nb["n_window"] = b["n_window"].at[win].add(ran_cached)
-      nb["refreshed"] = b["refreshed"] | refresh_rows
-      if gcfg.dinfer_compat:
-        nb["forced"] = jnp.where(refresh_rows, True, jnp.where(use_cached, False, b["forced"]))
-      if mode == "block_diffusion":
-        masks_after = has_masks(nb["canvas"])
-        # The clean-K/V forward is for the blocks after this one: none after the last block, nor after an
-        # EOS that ends the row (dinfer_compat runs it anyway).
-        ends_row = (blk(nb["canvas"]) == eos_id).any(axis=1) if gcfg.early_stop else jnp.zeros((Bsz,), bool)
-        wanted = jnp.full((Bsz,), True) if gcfg.dinfer_compat else more_after & ~ends_row
-        nb["final"] = jnp.where(active & masks_before & ~masks_after & wanted, True,
-                                jnp.where(active & ~masks_before, False, b["final"]))
-      return _constrain(nb)
-
-    def loop(b, branch=None):
-      return jax.lax.while_loop(step_cond, functools.partial(step_body, branch=branch), b)
-
-    if mode == "block_diffusion":
-      bst = loop(bst)
-    elif not cached_mode:  # no cache: every iteration is a full forward
-      bst = loop(bst, branch=(True, None))
-    else:
-      # Block entry: no row has a fresh cache yet, so every active row's first forward is a full one (the
-      # refresh, or a warm-up forward). Then every iteration is the cached forward, except while some row is
-      # still in the vicinity warm-up (its first warmup_steps forwards are full, then it refreshes): those
-      # iterations pick per step. Sequential loops, not a conditional around them (XLA copies every cache
-      # buffer into a conditional whose branches update it). Host-driven, one predicate read per step (the
-      # loop's condition) instead of two; the prefix cache's narrowing windows keep their per-step switch.
-      bst = jax.lax.cond(step_cond(bst), functools.partial(step_body, branch=(True, None)), lambda x: x, bst)
-      if warmup:
-        def mixed(b):
-          active = has_masks(b["canvas"]) | b["forced"]
-          return (active & ((b["n"] < warmup) | ~b["refreshed"])).any()
-        bst = jax.lax.while_loop(lambda b: step_cond(b) & mixed(b), step_body, bst)
-      bst = loop(bst, branch=None if windowed else (False, 0))
-
-    out = {k: bst[k] for k in st}
-    # Early stop: an EOS anywhere in the finished block fills the rest of the row with EOS and ends it.
-    cv = out["canvas"]
-    has_eos = (blk(cv) == eos_id).any(axis=1) & blk(valid).any(axis=1) & ~st["done"]
-    if gcfg.early_stop:
-      fill = has_eos[:, None] & (col[None, :] >= rows_col(s) + L) & valid
-      out["canvas"] = jnp.where(fill, eos_id, cv)
-      out["done"] = st["done"] | has_eos
-    out["block"] = st["block"] + 1
-    return _constrain(out)
-
+def block_body(tr: Trace) -> Callable[[GenState], GenState]:
+  """The function that decodes one block of every row: GenState -> GenState, run by `run`'s block loop and,
+  one call per program, by continuous batching (engine.slots). With a scalar block index every row's block
+  starts at the same canvas index (layout's shared grid); with [B] each row's block is its own, and slices of
+  the canvas, the logits and the cache window are taken per row (gathers instead of dynamic slices). Rows
+  whose `done` is set take no part."""
+  def body(st: GenState) -> GenState:
+    blk = Block(tr, st)
+    carry = constrain(BlockCarry(gen=st, dec=init_rows(tr.decoder, blk.slice(st.canvas), blk.maskable),
+                                 refreshed=jnp.zeros((tr.batch,), bool), owed=jnp.zeros((tr.batch,), bool),
+                                 iters=jnp.zeros((), jnp.int32)))
+    carry = tr.policy.run_steps(Steps(tr, blk), carry)
+    return end_block(tr, blk, st, carry.gen)
   return body
 
 
-STATIC = ("mcfg", "gcfg", "grid", "decoder", "mode", "block_causal", "mask_id", "eos_id", "stream")
+def end_block(tr: Trace, blk: Block, st: GenState, out: GenState) -> GenState:
+  """Early stop: an EOS anywhere in the finished block fills the rest of the row with EOS and ends it."""
+  p, L = tr.program, tr.grid.block_len
+  if p.early_stop:
+    has_eos = (blk.slice(out.canvas) == p.eos_id).any(axis=1) & blk.slice(tr.valid).any(axis=1) & ~st.done
+    fill = has_eos[:, None] & (tr.col[None, :] >= rows_col(blk.s) + L) & tr.valid
+    out = out.replace(canvas=jnp.where(fill, p.eos_id, out.canvas), done=st.done | has_eos)
+  return constrain(out.replace(block=st.block + 1))
+
+
+def init_state(program: DenoiseProgram, params: dict, canvas: jax.Array, valid: jax.Array,
+               block: jax.Array | None = None) -> GenState:
+  """The block loop's carry before the first block: block a scalar (the offline loop's shared block grid) or,
+  given as [B], one block index per row (continuous batching)."""
+  B, Tc = canvas.shape
+  mcfg = program.model
+  return constrain(GenState(
+      canvas=canvas, commit=jnp.full((B, Tc), -1, jnp.int32), n=jnp.zeros((B,), jnp.int32),
+      done=~valid.any(axis=1), block=jnp.zeros((), jnp.int32) if block is None else block,
+      counters=Counters.zeros(len(program.grid.windows)),
+      emb=quant.take_rows(params["embed"], canvas) if program.smoothing else None,
+      cache=program.cache.init_cache(mcfg, B, Tc, params["embed"].dtype) if program.cache.has_cache else None))
+
+
+def run(program: DenoiseProgram, params: dict, canvas: jax.Array, valid: jax.Array, positions: jax.Array,
+        seed: jax.Array, knobs: Knobs, stream_id: jax.Array | None = None) -> RunOutput:
+  """The jitted body (see engine.generate for the host side).
+
+  Args:
+    program: the static side (jit static argument).
+    canvas [B, Tc] int32, valid [B, Tc] bool, positions [B, Tc] int32: from layout.make_layout.
+    seed: a PRNG key.
+    knobs: Knobs.of(gcfg) (traced scalars): one program serves every value.
+    stream_id: with program.stream, every finished block's canvas goes to the host callback registered under
+      this id (register_stream) while the program runs.
+  """
+  B = canvas.shape[0]
+  row_keys = jax.vmap(lambda r: jax.random.fold_in(seed, r))(jnp.arange(B))
+  tr = Trace(program, params, valid, positions, row_keys, knobs)
+  st = program.cache.prefill(tr, init_state(program, params, canvas, valid))
+  body = block_body(tr)
+
+  def one_block(st: GenState) -> GenState:
+    out = body(st)
+    if program.stream:  # the block is final: hand it to the host now, not when the whole program returns
+      io_callback(_emit_block, None, stream_id, st.block, out.canvas, ordered=True)
+    return out
+
+  st = jax.lax.while_loop(lambda st: (st.block < program.grid.num_blocks) & ~st.done.all(), one_block, st)
+  return RunOutput(canvas=st.canvas, commit=st.commit, row_nfe=st.n, counters=st.counters)
+
 
 # Streaming: host callbacks of running programs, by id (the id is a traced argument, so one compiled
 # program serves every stream).
@@ -509,8 +433,9 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
 
 @functools.cache
 def run_jit():
-  """The compiled entry point. The canvas buffer is rebuilt on the host for every call and the result has
-  its shape: donating it lets XLA write the output canvas in place instead of allocating a second [B, Tc]
-  buffer. (CPU ignores donation and would warn, so only accelerators donate.)"""
-  donate = (1,) if jax.default_backend() != "cpu" else ()
-  return jax.jit(run, static_argnames=STATIC, donate_argnums=donate, compiler_options=compiler_options() or None)
+  """The compiled entry point, the DenoiseProgram its static argument. The canvas buffer is rebuilt on the
+  host for every call and the result has its shape: donating it lets XLA write the output canvas in place
+  instead of allocating a second [B, Tc] buffer. (CPU ignores donation and would warn, so only accelerators
+  donate.)"""
+  donate = (2,) if jax.default_backend() != "cpu" else ()
+  return jax.jit(run, static_argnums=0, donate_argnums=donate, compiler_options=compiler_options() or None)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,71 +28,92 @@ import numpy as np
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.generate import bucket_rows, committed_tokens, inference_params, prepare, program
+from dinfer_jax.engine.generate import bucket_rows, committed_tokens, engine_params, prepare
 from dinfer_jax.engine.layout import Layout
+from dinfer_jax.engine.program import DenoiseProgram, Knobs
+from dinfer_jax.engine.state import ROWS, axes
 
 
-
-def step(params: dict, st: dict[str, jax.Array], knobs: dict[str, jax.Array], *, mcfg: ModelConfig,
-         gcfg: GenerationConfig, grid, decoder, mode: str, block_causal: bool, mask_id: int,
-         eos_id: int) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
-  """One block of every active row: (new state, {"nfe", "n_full", "n_cached"} of this call). A row is done
-  after its last block or at an EOS (early stop); done rows take part in nothing."""
-  done = st["done"] | (st["block"] >= grid.num_blocks)
-  inner = loop.init_state(params, st["canvas"], st["valid"], mcfg=mcfg, gcfg=gcfg, grid=grid, mode=mode,
-                          block=st["block"])
-  inner.update(commit=st["commit"], n=st["n"], done=done)
-  if gcfg.smoothing:
-    inner["emb"] = st["emb"]
-  body = loop.block_body(params, st["valid"], st["positions"], st["keys"], knobs, mcfg=mcfg, gcfg=gcfg,
-                         grid=grid, decoder=decoder, mode=mode, block_causal=block_causal, mask_id=mask_id,
-                         eos_id=eos_id)
-  out = body(inner)
-  new = dict(st, canvas=out["canvas"], commit=out["commit"], n=out["n"], block=out["block"],
-             done=out["done"] | (out["block"] >= grid.num_blocks))
-  if gcfg.smoothing:
-    new["emb"] = out["emb"]
-  return new, {k: out[k] for k in ("nfe", "n_full", "n_cached")}
+@flax.struct.dataclass
+class PoolState:
+  """A pool's rows on the device, [S] or [S, Tc] per field (S slots): each row's canvas, valid positions and
+  RoPE positions as laid out alone, its PRNG key, commit steps, forward count, done flag, block index and
+  (smoothing) soft embeddings [S, Tc, D]."""
+  canvas: jax.Array = axes(ROWS)
+  valid: jax.Array = axes(ROWS)
+  positions: jax.Array = axes(ROWS)
+  keys: jax.Array = axes(ROWS)
+  commit: jax.Array = axes(ROWS)
+  n: jax.Array = axes(ROWS)
+  done: jax.Array = axes(ROWS)
+  block: jax.Array = axes(ROWS)
+  emb: jax.Array | None = axes(ROWS)
 
 
-STEP_STATIC = ("mcfg", "gcfg", "grid", "decoder", "mode", "block_causal", "mask_id", "eos_id")
+@flax.struct.dataclass
+class Fresh:
+  """Host-made rows for regroup: canvas, valid, positions [S, Tc], seed_key [S, 2] and key_row [S] (the row's
+  PRNG key is fold_in(seed_key, key_row), as loop.run gives row key_row of a call with that seed; an
+  all-invalid row is an empty slot)."""
+  canvas: Any
+  valid: Any
+  positions: Any
+  seed_key: Any
+  key_row: Any
 
 
-def step_first(params: dict, st: dict[str, jax.Array], knobs: dict[str, jax.Array], *, rows: int,
-               **static) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+class StepCounts(NamedTuple):
+  """What one step call ran: nfe, n_full, n_cached as in engine.state.Counters (rows at blocks of their own
+  take the widest prefix window, so there is no per-window count)."""
+  nfe: jax.Array
+  n_full: jax.Array
+  n_cached: jax.Array
+
+
+def step(program: DenoiseProgram, params: dict, st: PoolState, knobs: Knobs) -> tuple[PoolState, StepCounts]:
+  """One block of every active row: (new state, this call's counts). A row is done after its last block or
+  at an EOS (early stop); done rows take part in nothing."""
+  done = st.done | (st.block >= program.grid.num_blocks)
+  inner = loop.init_state(program, params, st.canvas, st.valid, block=st.block)
+  inner = inner.replace(commit=st.commit, n=st.n, done=done, emb=st.emb if program.smoothing else inner.emb)
+  tr = loop.Trace(program, params, st.valid, st.positions, st.keys, knobs)
+  out = loop.block_body(tr)(inner)
+  new = st.replace(canvas=out.canvas, commit=out.commit, n=out.n, block=out.block,
+                   done=out.done | (out.block >= program.grid.num_blocks), emb=out.emb if program.smoothing else st.emb)
+  return new, StepCounts(out.counters.nfe, out.counters.n_full, out.counters.n_cached)
+
+
+def step_first(program: DenoiseProgram, rows: int, params: dict, st: PoolState,
+               knobs: Knobs) -> tuple[PoolState, StepCounts]:
   """`step` over the first `rows` slots of a state of more: the pool's state keeps one shape (its capacity),
   so one regroup program serves it, while the step runs at the batch bucket of the rows in use (regroup keeps
   them first)."""
   head = jax.tree_util.tree_map(lambda a: a[:rows], st)
-  new, counts = step(params, head, knobs, **static)
+  new, counts = step(program, params, head, knobs)
   return jax.tree_util.tree_map(lambda a, n: a.at[:rows].set(n), st, new), counts
 
 
 @functools.cache
 def step_jit():
-  """The step program. The state is donated on accelerators (each call replaces it in place); CPU ignores
-  donation."""
-  donate = (1,) if jax.default_backend() != "cpu" else ()
-  return jax.jit(step_first, static_argnames=STEP_STATIC + ("rows",), donate_argnums=donate,
+  """The step program, the DenoiseProgram and the row count its static arguments. The state is donated on
+  accelerators (each call replaces it in place); CPU ignores donation."""
+  donate = (3,) if jax.default_backend() != "cpu" else ()
+  return jax.jit(step_first, static_argnums=(0, 1), donate_argnums=donate,
                  compiler_options=loop.compiler_options() or None)
 
 
-def regroup(st: dict[str, jax.Array], src: jax.Array, fresh: dict[str, jax.Array],
-            table: jax.Array | None) -> dict[str, jax.Array]:
-  """The next call's state: row i is the old state's row src[i], or (src[i] < 0) the fresh row i
-  (fresh: canvas, valid, positions [S, Tc], seed_key [S, 2] and key_row [S]: the row's PRNG key is
-  fold_in(seed_key, key_row), as loop.run gives row key_row of a call with that seed; an all-invalid row is
-  an empty slot). table: the input embedding, for smoothing's initial embeddings (None without smoothing)."""
-  valid = fresh["valid"]
-  keys = jax.vmap(jax.random.fold_in)(fresh["seed_key"], fresh["key_row"])
-  new = {"canvas": fresh["canvas"], "valid": valid, "positions": fresh["positions"], "keys": keys,
-         "commit": jnp.full(valid.shape, -1, jnp.int32), "n": jnp.zeros(valid.shape[:1], jnp.int32),
-         "done": ~valid.any(axis=1), "block": jnp.zeros(valid.shape[:1], jnp.int32)}
-  if table is not None:
-    new["emb"] = jnp.take(table, fresh["canvas"], axis=0)
+def regroup(st: PoolState, src: jax.Array, fresh: Fresh, table: jax.Array | None) -> PoolState:
+  """The next call's state: row i is the old state's row src[i], or (src[i] < 0) the fresh row i. table: the
+  input embedding, for smoothing's initial embeddings (None without smoothing)."""
+  valid = fresh.valid
+  new = PoolState(canvas=fresh.canvas, valid=valid, positions=fresh.positions,
+                  keys=jax.vmap(jax.random.fold_in)(fresh.seed_key, fresh.key_row),
+                  commit=jnp.full(valid.shape, -1, jnp.int32), n=jnp.zeros(valid.shape[:1], jnp.int32),
+                  done=~valid.any(axis=1), block=jnp.zeros(valid.shape[:1], jnp.int32),
+                  emb=None if table is None else jnp.take(table, fresh.canvas, axis=0))
   keep = src >= 0
   old = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.maximum(src, 0), axis=0), st)
-  return {k: jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), old[k], v) for k, v in new.items()}
+  return jax.tree_util.tree_map(lambda o, v: jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), o, v), old, new)
 
 
 @functools.cache
@@ -149,21 +171,21 @@ class SlotPool:
 
   def __init__(self, params: dict, mcfg: ModelConfig, gcfg: GenerationConfig, prompt: Sequence[int], *,
                capacity: int = 16, programs=None):
-    lay, static = prepare(mcfg, [list(prompt)], gcfg, batch_bucket=1)
-    if static["mode"] == "block_diffusion":
+    lay, prog = prepare(mcfg, [list(prompt)], gcfg, batch_bucket=1)
+    if prog.cache.name == "block_diffusion":
       raise ValueError("continuous batching: block diffusion (LLaDA2 with a cache) keeps its cache across "
                        "blocks and is not supported; serve it with --batching window")
     if capacity < 1:
       raise ValueError(f"SlotPool: capacity={capacity} must be >= 1")
     self.mcfg, self.gcfg, self.capacity = mcfg, gcfg, capacity
-    self.params = inference_params(params, mcfg)
-    self.prog, knobs = program(static, mcfg.vocab_size)
-    self.knobs = {k: jnp.asarray(v) for k, v in knobs.items()}
+    self.params = engine_params(params, mcfg)
+    self.prog = prog
+    self.knobs = jax.tree_util.tree_map(jnp.asarray, Knobs.of(gcfg))
     self.grid1 = lay.grid
-    self.eos_id = static["eos_id"]
+    self.eos_id = prog.eos_id
     self.programs = programs
     self.rows: list[Row | None] = []  # slot i's row, for the slots in use
-    self.state: dict[str, jax.Array] | None = None
+    self.state: PoolState | None = None
     self._waiting: list[Row] = []
     self._leaving: set[int] = set()
 
@@ -207,33 +229,28 @@ class SlotPool:
 
   # ------------------------------------------------------------------ programs
 
-  def _state_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+  def _state_shapes(self) -> PoolState:
     S, Tc = self.capacity, self.grid1.canvas_len
     sds = jax.ShapeDtypeStruct
-    shapes = {"canvas": sds((S, Tc), jnp.int32), "commit": sds((S, Tc), jnp.int32), "valid": sds((S, Tc), bool),
-              "positions": sds((S, Tc), jnp.int32), "keys": sds((S, 2), jnp.uint32), "n": sds((S,), jnp.int32),
-              "done": sds((S,), bool), "block": sds((S,), jnp.int32)}
-    if self.gcfg.smoothing:
-      shapes["emb"] = sds((S, Tc, self.mcfg.d_model), self.params["embed"].dtype)
-    return shapes
+    emb = sds((S, Tc, self.mcfg.d_model), self.params["embed"].dtype) if self.gcfg.smoothing else None
+    return PoolState(canvas=sds((S, Tc), jnp.int32), valid=sds((S, Tc), bool), positions=sds((S, Tc), jnp.int32),
+                     keys=sds((S, 2), jnp.uint32), commit=sds((S, Tc), jnp.int32), n=sds((S,), jnp.int32),
+                     done=sds((S,), bool), block=sds((S,), jnp.int32), emb=emb)
 
-  def _fresh(self) -> dict[str, np.ndarray]:
+  def _fresh(self) -> Fresh:
     S, Tc = self.capacity, self.grid1.canvas_len
-    return {"canvas": np.full((S, Tc), self.eos_id, np.int32), "valid": np.zeros((S, Tc), bool),
-            "positions": np.zeros((S, Tc), np.int32), "seed_key": np.zeros((S, 2), np.uint32),
-            "key_row": np.zeros((S,), np.int32)}
-
-  def _geometry(self) -> tuple:
-    return (tuple(sorted(self.prog.items())), self.capacity, self.grid1.canvas_len)
+    return Fresh(canvas=np.full((S, Tc), self.eos_id, np.int32), valid=np.zeros((S, Tc), bool),
+                 positions=np.zeros((S, Tc), np.int32), seed_key=np.zeros((S, 2), np.uint32),
+                 key_row=np.zeros((S,), np.int32))
 
   def program_key(self, B: int) -> tuple:
-    return ("slots", self._geometry(), B)
+    return ("slots", self.prog, self.capacity, B)
 
   def _regroup_key(self) -> tuple:
-    return ("slots-regroup", self._geometry())
+    return ("slots-regroup", self.prog, self.capacity)
 
   def _compile(self, B: int):
-    return step_jit().lower(self.params, self._state_shapes(), self.knobs, rows=B, **self.prog).compile()
+    return step_jit().lower(self.prog, B, self.params, self._state_shapes(), self.knobs).compile()
 
   def _compile_regroup(self):
     table = self.params["embed"] if self.gcfg.smoothing else None
@@ -256,7 +273,7 @@ class SlotPool:
 
   def _step_program(self, B: int):
     if self.programs is None:
-      return functools.partial(step_jit(), rows=B, **self.prog)
+      return functools.partial(step_jit(), self.prog, B)
     return self.programs.get(self.program_key(B), lambda: self._compile(B))
 
   def _regroup_program(self):
@@ -276,12 +293,12 @@ class SlotPool:
     src[:len(keep)] = keep
     rows: list[Row | None] = [self.rows[i] for i in keep]
     for j, r in enumerate(self._waiting, start=len(keep)):
-      fresh["canvas"][j], fresh["valid"][j], fresh["positions"][j] = r.canvas, r.valid, r.positions
-      fresh["seed_key"][j], fresh["key_row"][j] = r.seed_key, r.key_row
+      fresh.canvas[j], fresh.valid[j], fresh.positions[j] = r.canvas, r.valid, r.positions
+      fresh.seed_key[j], fresh.key_row[j] = r.seed_key, r.key_row
       rows.append(r)
     state = self.state
     if state is None:  # nothing to keep: any state of the right shapes
-      state = {k: np.zeros(v.shape, v.dtype) for k, v in self._state_shapes().items()}
+      state = jax.tree_util.tree_map(lambda v: np.zeros(v.shape, v.dtype), self._state_shapes())
     table = self.params["embed"] if self.gcfg.smoothing else None
     self.state = self._regroup_program()(state, src, fresh, table)
     self.rows = rows
@@ -297,18 +314,20 @@ class SlotPool:
                        f"{self.capacity})")
     self._regroup()
     self.state, counts = self._step_program(B)(self.params, self.state, self.knobs)
-    host = {k: np.asarray(self.state[k]) for k in ("canvas", "n", "done", "block")}  # small: all slots
+    # Small: all slots.
+    canvas, n, done, block = (np.asarray(a) for a in (self.state.canvas, self.state.n, self.state.done,
+                                                      self.state.block))
     C, L = self.grid1.first_block, self.grid1.block_len
     finished, progress = [], []
     for i, r in enumerate(self.rows):
-      row = host["canvas"][i]
-      if host["done"][i]:
-        finished.append(Finished(r.owner, r.tokens(row, r.end, self.eos_id), r.end - r.pad - r.prompt_len,
-                                 int(host["n"][i])))
+      if done[i]:
+        finished.append(Finished(r.owner, r.tokens(canvas[i], r.end, self.eos_id), r.end - r.pad - r.prompt_len,
+                                 int(n[i])))
         self._leaving.add(i)
       elif i not in self._leaving:
-        progress.append((r.owner, r.tokens(row, C + int(host["block"][i]) * L, self.eos_id)))
-    return finished, progress, {k: int(v) for k, v in counts.items()}
+        progress.append((r.owner, r.tokens(canvas[i], C + int(block[i]) * L, self.eos_id)))
+    return finished, progress, {"nfe": int(counts.nfe), "n_full": int(counts.n_full),
+                                "n_cached": int(counts.n_cached)}
 
   def drain(self) -> None:
     """Frees the device state once no row is running or waiting (the next step would drop the finished ones)."""

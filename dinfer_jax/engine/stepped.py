@@ -74,7 +74,8 @@ class _FixedSteps:
   def init_state(self, tokens, maskable):
     return {"m": None, "i": 0}
 
-  def step(self, state, logits, tokens, maskable, *, mask_id, threshold=None, temperature=0.0, rng=None):
+  def step(self, state, logits, tokens, maskable, knobs, *, mask_id, temperature=0.0, rng=None):
+    del knobs
     prop = decoders.propose(logits, mask_id=mask_id, temperature=temperature, rng=rng)
     tok = np.asarray(tokens)[0]
     masked = (tok == mask_id) & np.asarray(maskable)[0]
@@ -93,24 +94,12 @@ class _FixedSteps:
 
 
 def make_decoder(gcfg, vocab_size: int, *, independent_fixed_steps: bool = True):
-  """The decoder for a GenerationConfig, built from the decoder classes (not the engine's factory).
-  independent_fixed_steps: LLaDA's schedule written out in numpy (the reference's own check of the
-  package's FixedStepsDecoder); False uses the package decoder (jittable, what the engine runs)."""
-  name = gcfg.decoder
-  if name == "threshold":
-    return decoders.ThresholdDecoder(threshold=gcfg.threshold)
-  if name == "hierarchy":
-    return decoders.HierarchyDecoder(threshold=gcfg.threshold, low_threshold=gcfg.low_threshold)
-  if name == "credit":
-    return decoders.CreditDecoder(threshold=gcfg.threshold, alpha=gcfg.credit_alpha, gamma=gcfg.credit_gamma,
-                                  beta=gcfg.credit_beta, vocab_size=vocab_size)
-  if name == "fastdllm":
-    return decoders.FastDLLMDecoder(threshold=gcfg.threshold)
-  if name == "fixed_steps":
-    if independent_fixed_steps:
-      return _FixedSteps(gcfg.steps_per_block)
-    return decoders.FixedStepsDecoder(steps_per_block=gcfg.steps_per_block)
-  raise ValueError(name)
+  """The registry's decoder for a GenerationConfig (decoders.from_config), except that with
+  independent_fixed_steps LLaDA's schedule is the one written out above in numpy (the reference's own check
+  of the package's jittable FixedStepsDecoder)."""
+  if gcfg.decoder == "fixed_steps" and independent_fixed_steps:
+    return _FixedSteps(gcfg.steps_per_block)
+  return decoders.from_config(gcfg, vocab_size=vocab_size)
 
 
 # ----------------------------------------------------------------------------- how the model and decoder run
@@ -160,10 +149,10 @@ class ReferenceRunner:
   def init_state(self, dec, tokens: np.ndarray):
     return dec.init_state(jnp.asarray(tokens[None], jnp.int32), jnp.ones((1, tokens.shape[0]), bool))
 
-  def decode(self, dec, state, logits, tokens: np.ndarray, *, mask_id: int, threshold: float):
+  def decode(self, dec, state, logits, tokens: np.ndarray, knobs, *, mask_id: int, threshold: float):
     new, committed, state = dec.step(state, jnp.asarray(logits[None]), jnp.asarray(tokens[None], jnp.int32),
-                                     jnp.ones((1, tokens.shape[0]), bool), mask_id=mask_id,
-                                     threshold=jnp.float32(threshold), temperature=0.0, rng=None)
+                                     jnp.ones((1, tokens.shape[0]), bool), knobs.replace(threshold=jnp.float32(threshold)),
+                                     mask_id=mask_id, temperature=0.0, rng=None)
     return np.asarray(new)[0], np.asarray(committed)[0], state
 
   def smooth(self, params, emb, a: int, b: int, tokens: np.ndarray, logits, mask_id: int, w: float):
@@ -183,9 +172,9 @@ def _jit_forward_embeds(params, embeds, positions, mask, cache, cache_start, *, 
 
 
 @functools.partial(jax.jit, static_argnames=("dec", "mask_id"))
-def _jit_step(state, logits, tokens, threshold, *, dec, mask_id):
-  return dec.step(state, logits[None], tokens[None], jnp.ones((1, tokens.shape[0]), bool), mask_id=mask_id,
-                  threshold=threshold, temperature=0.0, rng=None)
+def _jit_step(state, logits, tokens, knobs, threshold, *, dec, mask_id):
+  return dec.step(state, logits[None], tokens[None], jnp.ones((1, tokens.shape[0]), bool),
+                  knobs.replace(threshold=threshold), mask_id=mask_id, temperature=0.0, rng=None)
 
 
 @functools.partial(jax.jit, static_argnames=("dec",))
@@ -231,8 +220,8 @@ class JitRunner:
   def init_state(self, dec, tokens: np.ndarray):
     return _jit_init(jnp.asarray(tokens, jnp.int32), dec=dec)
 
-  def decode(self, dec, state, logits, tokens: np.ndarray, *, mask_id: int, threshold: float):
-    new, committed, state = _jit_step(state, logits, jnp.asarray(tokens, jnp.int32), jnp.float32(threshold),
+  def decode(self, dec, state, logits, tokens: np.ndarray, knobs, *, mask_id: int, threshold: float):
+    new, committed, state = _jit_step(state, logits, jnp.asarray(tokens, jnp.int32), knobs, jnp.float32(threshold),
                                       dec=dec, mask_id=mask_id)
     return np.asarray(new)[0], np.asarray(committed)[0], state  # the per-step host sync
 
@@ -263,9 +252,10 @@ def stepped_generate(params, cfg, prompt, gcfg, *, mask_id: int | None = None, e
   """
   assert gcfg.temperature == 0, "the stepped loop is greedy"
   runner = runner or REFERENCE
-  mask_id = int(gcfg.mask_id if gcfg.mask_id is not None else (mask_id if mask_id is not None else cfg.mask_token_id))
-  eos_id = int(gcfg.eos_id if gcfg.eos_id is not None else (eos_id if eos_id is not None else cfg.eos_token_id))
-  if cfg.family == "llada2_moe":
+  ids = gcfg.replace(mask_id=gcfg.mask_id if gcfg.mask_id is not None else mask_id,
+                     eos_id=gcfg.eos_id if gcfg.eos_id is not None else eos_id)
+  mask_id, eos_id = ids.token_ids(cfg)
+  if cfg.block_diffusion:
     return _block_diffusion(params, cfg, list(prompt), gcfg, mask_id, eos_id, runner)
   return _blockwise(params, cfg, list(prompt), gcfg, mask_id, eos_id, runner)
 
@@ -287,6 +277,7 @@ def _blockwise(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
   vicinity = gcfg.prefix_look > 0 or gcfg.after_look > 0 or gcfg.warmup_steps > 0
   warmup = gcfg.warmup_steps if vicinity else 0
   dec = make_decoder(gcfg, cfg.vocab_size, independent_fixed_steps=runner.independent_fixed_steps)
+  knobs = decoders.get(gcfg.decoder).knobs_of(gcfg)
   s0 = (P // B) * B if gcfg.start_block_align else P
   n = 0
   forwards, blocks, fblock = [], [], []
@@ -324,7 +315,7 @@ def _blockwise(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
       fblock.append(len(blocks) - 1)
       n += 1
       blk_logits = logits[s - a:e - a] if smoothing else logits
-      new, committed, state = runner.decode(dec, state, blk_logits, x[s:e], mask_id=mask_id, threshold=thr)
+      new, committed, state = runner.decode(dec, state, blk_logits, x[s:e], knobs, mask_id=mask_id, threshold=thr)
       assert not (committed & (x[s:e] != mask_id)).any(), "a decoder committed a decoded position"
       x[s:e] = np.where(committed, new, x[s:e])
       commit[s:e] = np.where(committed, n, commit[s:e])
@@ -344,6 +335,7 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
   x = np.array(prompt + [mask_id] * (T - P), np.int64)
   commit = np.full(T, -1, np.int64)
   dec = make_decoder(gcfg, cfg.vocab_size, independent_fixed_steps=runner.independent_fixed_steps)
+  knobs = decoders.get(gcfg.decoder).knobs_of(gcfg)
   s0 = (P // B) * B
   n = 0
   forwards, blocks, fblock = [], [], []
@@ -358,7 +350,7 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
     fblock.append(-1)
 
   def decode(state, logits, s, e):
-    new, committed, state = runner.decode(dec, state, logits, x[s:e], mask_id=mask_id, threshold=gcfg.threshold)
+    new, committed, state = runner.decode(dec, state, logits, x[s:e], knobs, mask_id=mask_id, threshold=gcfg.threshold)
     assert not (committed & (x[s:e] != mask_id)).any()
     x[s:e] = np.where(committed, new, x[s:e])
     commit[s:e] = np.where(committed, n, commit[s:e])

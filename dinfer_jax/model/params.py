@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax import sharding
 from dinfer_jax.config import ModelConfig
 
 # Parameters that stay fp32 whatever the weight dtype: the router's selection-only bias is a buffer
@@ -184,3 +185,50 @@ def unstack_layers(params: dict[str, Any], take=None) -> dict[str, Any]:
 
 def is_unstacked(params: dict[str, Any]) -> bool:
   return any(isinstance(params.get(name), (list, tuple)) for name in LAYER_GROUPS)
+
+
+def stack_layers(params: dict[str, Any]) -> dict[str, Any]:
+  """unstack_layers' inverse: each per-layer list back into one [layers, ...] tree (the checkpoint and
+  training layout). Already-stacked groups are returned as they are."""
+  out = dict(params)
+  for name in LAYER_GROUPS:
+    group = params.get(name)
+    if isinstance(group, (list, tuple)):
+      out[name] = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *group)
+  return out
+
+
+def unstacked_logical_axes(cfg: ModelConfig, params: dict[str, Any]) -> dict[str, Any]:
+  """logical_axes for the per-layer layout of `params`: each layer's leaves keep their axes minus "layers"."""
+  axes = logical_axes(cfg)
+  is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+  for name in LAYER_GROUPS:
+    if name in axes and isinstance(params.get(name), (list, tuple)):
+      per_layer = jax.tree_util.tree_map(lambda ax: ax[1:], axes[name], is_leaf=is_axes)
+      axes[name] = [per_layer] * len(params[name])
+  return axes
+
+
+def engine_layout(params: dict[str, Any], cfg: ModelConfig, mesh=None) -> dict[str, Any]:
+  """The layout the engine's programs run on, made once when a model is loaded: per-layer buffers
+  (unstack_layers), each placed on its sharding when there is a mesh. Leaf by leaf, each stacked leaf dropped
+  once sliced, so the model never exists twice (only one leaf's layers do, for a moment)."""
+  out = dict(params)
+  for name in LAYER_GROUPS:
+    group = out.pop(name, None)
+    if not isinstance(group, dict):
+      if group is not None:
+        out[name] = group
+      continue
+    leaves, treedef = jax.tree_util.tree_flatten(group)
+    del group
+    n = leaves[0].shape[0]
+    per_leaf = []
+    while leaves:
+      a = leaves.pop(0)
+      per_leaf.append([a[i] for i in range(n)])
+      del a
+    out[name] = [jax.tree_util.tree_unflatten(treedef, [layers[i] for layers in per_leaf]) for i in range(n)]
+  if mesh is not None:
+    out = jax.device_put(out, sharding.param_shardings(out, unstacked_logical_axes(cfg, out), mesh))
+  return out

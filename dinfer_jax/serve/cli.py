@@ -86,7 +86,7 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   metrics = Metrics(args.max_batch)
   common = dict(max_batch=args.max_batch, max_queue=args.max_queue, on_batch=metrics.batch, on_drop=metrics.drop,
                 programs=ProgramCache(args.max_programs))
-  if args.batching == "window" or model.config.family == "llada2_moe":
+  if args.batching == "window" or model.config.block_diffusion:
     if args.batching != "window":  # block diffusion keeps its cache across blocks: no slots to refill
       log("note: LLaDA2 decodes by block diffusion, which continuous batching does not support: using "
           "--batching window")
@@ -94,7 +94,7 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   else:
     batcher = ContinuousBatcher(model, **common)
   metrics.queue_depth = lambda: batcher.depth
-  mask = gcfg.mask_id if gcfg.mask_id is not None else model.config.mask_token_id
+  mask = gcfg.token_ids(model.config)[0]
   specs = []
   # The model's prompt rules (e.g. long sums: gen_length 32) are programs of their own: warm them too.
   for g in [gcfg] + [r for r in cli_common.rule_generation_configs(args, model.path) if r != gcfg]:

@@ -14,6 +14,7 @@ from ckpt_testlib import MODELS, leftovers
 
 import dinfer_jax
 from dinfer_jax import checkpoint
+from dinfer_jax.model import params as params_lib
 from dinfer_jax.model import quant
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -65,7 +66,7 @@ def test_hf2jax_quantize_matches_quantise_on_load_bit_exact(tmp_path, name, spec
 def test_quantised_tree_errors_name_the_leaf_and_shapes(tmp_path):
   m = dinfer_jax.load(MODELS["llada"], dtype="bfloat16", quantize="int8")
   raw = json.loads((pathlib.Path(MODELS["llada"]) / "config.json").read_text())
-  store = quant.to_storage(m.params)
+  store = quant.to_storage(params_lib.stack_layers(m.params))
   bad = jax.tree_util.tree_map(lambda x: x, store)
   good_scale = bad["dense_layers"]["q"]["scale"]
   bad["dense_layers"]["q"]["scale"] = good_scale[..., :1]
@@ -162,13 +163,13 @@ def test_hf_fp8_loads_as_stored_and_round_trips_bit_exact(tmp_path):
   fp8, deq = _fp8_hf(tmp_path)
   m = dinfer_jax.load(fp8, dtype="float32")
   ref = dinfer_jax.load(deq, dtype="float32")
-  q = m.params["moe_layers"]["experts"]["gate"]
+  q = params_lib.stack_layers(m.params)["moe_layers"]["experts"]["gate"]
   assert quant.is_qarray(q) and q.qvalue.dtype == quant.SCHEMES["fp8"] and q.scale.shape[-2:] == (64 // 16, 32 // 16)
   a, b = _qleaves(quant.dequantize_params(m.params)), _qleaves(ref.params)
   for k in b:
     np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
   # quantize="fp8" requantises the block-scaled weights per channel (the fast GEMM path).
-  ch = dinfer_jax.load(fp8, dtype="float32", quantize="fp8").params["moe_layers"]["experts"]["gate"]
+  ch = params_lib.stack_layers(dinfer_jax.load(fp8, dtype="float32", quantize="fp8").params)["moe_layers"]["experts"]["gate"]
   assert ch.qvalue.dtype == quant.SCHEMES["fp8"] and ch.scale.shape == q.shape[:-2] + (1, q.shape[-1])
   err = np.abs(np.asarray(quant.dequantize(ch)) - np.asarray(quant.dequantize(q))).max()
   assert 0 < err <= np.abs(np.asarray(quant.dequantize(q))).max() * 2 ** -3

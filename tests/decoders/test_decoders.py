@@ -6,9 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dinfer_jax import decoders
 from dinfer_jax.decoders import (CreditDecoder, FastDLLMDecoder, FixedStepsDecoder, HierarchyDecoder,
-                                 ThresholdDecoder, make_decoder, propose)
+                                 ThresholdDecoder, propose)
 from dinfer_jax.decoders import baselines, common, hierarchy
+from dinfer_jax.engine.config import GenerationConfig
 
 V = 16
 MASK = V - 1
@@ -17,22 +19,35 @@ MASK = V - 1
 L_PAD = 12
 
 
+def D(dec, **knobs):
+  """(static decoder, its Knobs): dec a decoder class (built without arguments) or instance."""
+  dec = dec() if isinstance(dec, type) else dec
+  return dec, type(dec).knobs(**knobs)
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("mask_id", "temperature"))
-def jstep(dec, state, logits, tokens, maskable, *, mask_id=MASK, threshold=None, temperature=0.0,
-          rng=None):
-  """Every test goes through jit with the decoder as a static argument, as the engine will."""
-  # Like the engine: the decoder's own threshold unless a smoothed one is given (0.5 for FixedSteps,
-  # which ignores it).
-  own = getattr(dec, "threshold", 0.5)
-  thr = jnp.float32(own if threshold is None else threshold)
-  return dec.step(state, logits, tokens, maskable, mask_id=mask_id, threshold=thr,
-                  temperature=temperature, rng=rng)
+def _jstep(dec, state, logits, tokens, maskable, knobs, *, mask_id, temperature, rng):
+  return dec.step(state, logits, tokens, maskable, knobs, mask_id=mask_id, temperature=temperature, rng=rng)
+
+
+def jstep(dec, state, logits, tokens, maskable, *, mask_id=MASK, threshold=None, temperature=0.0, rng=None):
+  """Every test goes through jit with the decoder static and its knobs traced fp32 values, as in the engine;
+  dec is a D(...) pair. threshold: the step's threshold instead of the knobs' (iteration smoothing's)."""
+  decoder, knobs = dec
+  if threshold is not None:
+    knobs = knobs.replace(threshold=threshold)
+  knobs = jax.tree_util.tree_map(jnp.float32, knobs)
+  return _jstep(decoder, state, logits, tokens, maskable, knobs, mask_id=mask_id, temperature=temperature, rng=rng)
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def _jinit(dec, tokens, maskable):
+  return dec.init_state(tokens, maskable)
+
+
 def jinit(dec, tokens, maskable):
   """init_state under jit, decoder static."""
-  return dec.init_state(tokens, maskable)
+  return _jinit(dec[0], tokens, maskable)
 
 
 _softmax_at = jax.jit(common.softmax_at)
@@ -104,7 +119,7 @@ def committed_set(committed, row=0):
 def test_threshold_worked_example_inclusive():
   # decoding.md §2a, threshold 0.9: [0.97, (decoded), 0.55, 0.91, 0.90, 0.30] -> {0, 3, 4}.
   logits, tokens, maskable = block([0.97, 0.5, 0.55, 0.91, 0.90, 0.30], decoded=[1], exact=[4])
-  dec = ThresholdDecoder(0.9)
+  dec = D(ThresholdDecoder, threshold=0.9)
   new, committed, _ = jstep(dec, (), logits, tokens, maskable, threshold=0.9)
   assert committed_set(committed) == {0, 3, 4}  # 0.90 == threshold commits: the rule is >=
   tops = np.arange(6) % (V - 1)
@@ -115,17 +130,17 @@ def test_threshold_worked_example_inclusive():
 def test_threshold_worked_example_tie_tolerance():
   # §2a: [0.62, 0.6200004, 0.40] -> tau = 0.6200004 - 1e-5 -> {0, 1}.
   logits, tokens, maskable = block([0.62, 0.6200004, 0.40])
-  _, committed, _ = jstep(ThresholdDecoder(0.9), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {0, 1}
   # Just outside the 1e-5 tolerance only the best commits.
   logits, tokens, maskable = block([0.62, 0.62002, 0.40])
-  _, committed, _ = jstep(ThresholdDecoder(0.9), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {1}
 
 
 def test_threshold_uses_step_threshold_not_own():
   logits, tokens, maskable = block([0.97, 0.93, 0.80])
-  dec = ThresholdDecoder(0.9)
+  dec = D(ThresholdDecoder, threshold=0.9)
   assert committed_set(jstep(dec, (), logits, tokens, maskable, threshold=0.9)[1]) == {0, 1}
   # Iteration smoothing passes a higher threshold: only the best (and its 1e-5 ties) remain.
   assert committed_set(jstep(dec, (), logits, tokens, maskable, threshold=0.98)[1]) == {0}
@@ -135,14 +150,14 @@ def test_threshold_uses_step_threshold_not_own():
 def test_threshold_excludes_mask_argmax():
   # Position 0's argmax is MASK with 0.99: never a candidate; position 1 commits as the row's best.
   logits, tokens, maskable = block([0.99, 0.5, 0.3], tops=[MASK, 2, 3])
-  _, committed, _ = jstep(ThresholdDecoder(0.9), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {1}
 
 
 def test_threshold_ignores_decoded_and_padding():
   logits, tokens, maskable = block([0.95, 0.95, 0.95, 0.95], decoded=[0])
   maskable = maskable.at[0, 3].set(False)
-  new, committed, _ = jstep(ThresholdDecoder(0.9), (), logits, tokens, maskable)
+  new, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {1, 2}
   assert int(new[0, 0]) == 7 and int(new[0, 3]) == MASK
 
@@ -161,7 +176,7 @@ def _all_mask_argmax(b=2, l=5, seed=0):
 def test_threshold_stall_guard_commits_one_non_mask_per_row():
   logits, tokens, maskable = _all_mask_argmax()
   tokens = tokens.at[1, 0].set(3)  # a decoded position must not be picked
-  new, committed, _ = jstep(ThresholdDecoder(0.9), (), logits, tokens, maskable)
+  new, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), logits, tokens, maskable)
   committed, new, z = np.asarray(committed), np.asarray(new), np.asarray(logits)
   np.testing.assert_array_equal(committed.sum(-1), [1, 1])
   p = np.exp(z - z.max(-1, keepdims=True))
@@ -173,13 +188,14 @@ def test_threshold_stall_guard_commits_one_non_mask_per_row():
     j = int(alt_conf[b].argmax())
     assert committed[b, j] and new[b, j] == alt_tok[b, j] != MASK
   # A row with no masks commits nothing.
-  _, committed, _ = jstep(ThresholdDecoder(0.9), (), logits, jnp.zeros_like(tokens), maskable)
+  _, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), logits, jnp.zeros_like(tokens), maskable)
   assert not np.asarray(committed).any()
 
 
-@pytest.mark.parametrize("dec", [ThresholdDecoder(0.9), HierarchyDecoder(0.9, 0.4),
-                                 FastDLLMDecoder(0.9), FixedStepsDecoder(2),
-                                 CreditDecoder(0.9, vocab_size=V)], ids=lambda d: type(d).__name__)
+@pytest.mark.parametrize("dec", [D(ThresholdDecoder, threshold=0.9),
+                                 D(HierarchyDecoder, threshold=0.9, low_threshold=0.4),
+                                 D(FastDLLMDecoder, threshold=0.9), D(FixedStepsDecoder(2)),
+                                 D(CreditDecoder(vocab_size=V), threshold=0.9)], ids=lambda d: type(d[0]).__name__)
 def test_never_commits_mask_and_always_progresses(dec):
   logits, tokens, maskable = _all_mask_argmax()
   new, committed, _ = jstep(dec, jinit(dec, tokens, maskable), logits, tokens, maskable)
@@ -187,7 +203,7 @@ def test_never_commits_mask_and_always_progresses(dec):
   assert (committed.sum(-1) >= 1).all()
   assert (new[committed] != MASK).all()
   np.testing.assert_array_equal(new[~committed], MASK)
-  if isinstance(dec, ThresholdDecoder):
+  if isinstance(dec[0], ThresholdDecoder):
     np.testing.assert_array_equal(committed.sum(-1), 1)
 
 
@@ -204,7 +220,7 @@ def test_hierarchy_worked_example_five_iterations():
       [.20, .20, .20, .20, .20, .50, .20, .20],
   ]
   expected = [{4}, {1, 6}, {0, 2, 7}, {3}, {5}]
-  dec = HierarchyDecoder(threshold=0.9, low_threshold=0.4)
+  dec = D(HierarchyDecoder, threshold=0.9, low_threshold=0.4)
   _, tokens, maskable = block(iters[0])
   for confs, want in zip(iters, expected):
     logits, _, _ = block(confs, tops=np.arange(8))
@@ -217,11 +233,11 @@ def test_hierarchy_strict_thresholds_and_ties():
   # Runs: [0, 1] | decoded 2 | [3, 4] | decoded 5 | [6, 7, 8].
   confs = [.93, .90, .5, .40, .30, .5, .60, .60, .20]
   logits, tokens, maskable = block(confs, tops=[1, 2, 3, 4, 5, 6, 7, 7, 8], decoded=[2, 5], exact=[1, 3])
-  _, committed, _ = jstep(HierarchyDecoder(0.9, 0.4), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(HierarchyDecoder, threshold=0.9, low_threshold=0.4), (), logits, tokens, maskable)
   # pos 1 == 0.9 is not > high; run [3, 4]'s max 0.40 is not > low; run [6..8] has an exact tie.
   assert committed_set(committed) == {0, 6, 7}
   # The same row with a threshold decoder: >= threshold takes pos 1 too.
-  _, committed, _ = jstep(ThresholdDecoder(0.9), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {0, 1}
 
 
@@ -232,13 +248,13 @@ def test_hierarchy_runs_bounded_by_padding():
   # maskable=False ends a run exactly like a decoded token.
   logits, tokens, maskable = block([.5, .6, .7, .45])
   maskable = maskable.at[0, 2].set(False)
-  _, committed, _ = jstep(HierarchyDecoder(0.9, 0.4), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(HierarchyDecoder, threshold=0.9, low_threshold=0.4), (), logits, tokens, maskable)
   assert committed_set(committed) == {1, 3}
 
 
 def test_hierarchy_global_argmax_first_index():
   logits, tokens, maskable = block([.3, .35, .35, .1], tops=[1, 2, 2, 3])
-  _, committed, _ = jstep(HierarchyDecoder(0.9, 0.4), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(HierarchyDecoder, threshold=0.9, low_threshold=0.4), (), logits, tokens, maskable)
   assert committed_set(committed) == {1}
 
 
@@ -250,7 +266,7 @@ def test_credit_worked_example():
   # boosts alpha*log1p(C) = 0.438, 0.660, 0.797, fused probability 0.608, 0.659, 0.689.
   # Position 1 (p = 0.95) commits every step, so position 0 is decided by its fused confidence
   # against threshold 0.68. The canvas is not written back, so position 0 stays masked.
-  dec = CreditDecoder(0.9, vocab_size=V)  # the step threshold 0.68 is passed below
+  dec = D(CreditDecoder(vocab_size=V), threshold=0.9)  # the step threshold 0.68 is passed below
   logits, tokens, maskable = block([0.5, 0.95], tops=[4, 5])
   state = jinit(dec, tokens, maskable)
   assert float(jnp.abs(state.credit).max()) == 0 and int(state.calls) == 0
@@ -270,7 +286,7 @@ def test_credit_worked_example():
 
 
 def test_credit_only_masked_accumulate_and_reset():
-  dec = CreditDecoder(0.9, vocab_size=V)
+  dec = D(CreditDecoder(vocab_size=V), threshold=0.9)
   logits, tokens, maskable = block([0.5, 0.6, 0.7], decoded=[1])
   maskable = maskable.at[0, 2].set(False)
   _, _, state = jstep(dec, jinit(dec, tokens, maskable), logits, tokens, maskable)
@@ -282,7 +298,7 @@ def test_credit_only_masked_accumulate_and_reset():
 
 def test_credit_can_flip_argmax():
   # Token 4 was top-1 for two steps; now token 6 leads narrowly and the credit keeps token 4.
-  dec = CreditDecoder(0.9, vocab_size=V)
+  dec = D(CreditDecoder(vocab_size=V), threshold=0.9)
   tokens, maskable = jnp.full((1, 1), MASK, jnp.int32), jnp.ones((1, 1), bool)
   base = np.zeros((1, 1, V), np.float32)
   early = base.copy()
@@ -299,7 +315,7 @@ def test_credit_can_flip_argmax():
     _, _, state = jstep(dec, state, jnp.asarray(early), tokens, maskable, threshold=0.99)
   new, _, _ = jstep(dec, state, jnp.asarray(late), tokens, maskable, threshold=0.99)
   assert int(new[0, 0]) == 4
-  new, _, _ = jstep(ThresholdDecoder(0.9), (), jnp.asarray(late), tokens, maskable, threshold=0.99)
+  new, _, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), jnp.asarray(late), tokens, maskable, threshold=0.99)
   assert int(new[0, 0]) == 6
 
 
@@ -316,7 +332,7 @@ def test_fixed_steps_schedule(m, s, want):
 def test_fixed_steps_decoder_runs_block_to_completion():
   rng = np.random.default_rng(1)
   l, s = 12, 4
-  dec = FixedStepsDecoder(s)
+  dec = D(FixedStepsDecoder(s))
   tokens = np.full((2, l), MASK, np.int32)
   tokens[0, :2] = 3  # row 0: an aligned first block overlapping the prompt -> m = 10
   tokens = jnp.asarray(tokens)
@@ -346,7 +362,7 @@ def test_fixed_steps_decoder_runs_block_to_completion():
 
 def test_fixed_steps_ties_lower_index():
   logits, tokens, maskable = block([.5, .5, .5, .5, .5, .5], tops=[2] * 6)
-  dec = FixedStepsDecoder(3)
+  dec = D(FixedStepsDecoder(3))
   _, committed, state = jstep(dec, jinit(dec, tokens, maskable), logits, tokens, maskable)
   assert committed_set(committed) == {0, 1}
   assert int(state.num_masked[0]) == 6
@@ -354,19 +370,19 @@ def test_fixed_steps_ties_lower_index():
 
 def test_fastdllm_top1_plus_threshold():
   logits, tokens, maskable = block([.5, .3, .95, .90, .89], exact=[3])
-  _, committed, _ = jstep(FastDLLMDecoder(0.9), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(FastDLLMDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {2, 3}  # >= threshold, inclusive
   logits, tokens, maskable = block([.5, .6, .6000004, .2])
-  _, committed, _ = jstep(FastDLLMDecoder(0.9), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(FastDLLMDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {2}  # top-1 only, no 1e-5 tolerance (dInfer would take {1, 2})
-  _, committed, _ = jstep(ThresholdDecoder(0.9), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {1, 2}
   logits, tokens, maskable = block([.5, .6, .6, .2], tops=[1, 2, 2, 3])
-  _, committed, _ = jstep(FastDLLMDecoder(0.9), (), logits, tokens, maskable)
+  _, committed, _ = jstep(D(FastDLLMDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {1}  # exact tie: lower index
   # x0 == MASK is not excluded, but MASK is never written.
   logits, tokens, maskable = block([.95, .3], tops=[MASK, 2])
-  new, committed, _ = jstep(FastDLLMDecoder(0.9), (), logits, tokens, maskable)
+  new, committed, _ = jstep(D(FastDLLMDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {0} and int(new[0, 0]) != MASK
 
 
@@ -386,11 +402,11 @@ def _random_case(seed, b=3, l=10):
   return z, tokens, maskable
 
 
-ALL_DECODERS = [ThresholdDecoder(0.7), HierarchyDecoder(0.8, 0.3), FastDLLMDecoder(0.6),
-                FixedStepsDecoder(3), CreditDecoder(0.7, vocab_size=V)]
+ALL_DECODERS = [D(ThresholdDecoder, threshold=0.7), D(HierarchyDecoder, threshold=0.8, low_threshold=0.3),
+                D(FastDLLMDecoder, threshold=0.6), D(FixedStepsDecoder(3)), D(CreditDecoder(vocab_size=V), threshold=0.7)]
 
 
-@pytest.mark.parametrize("dec", ALL_DECODERS, ids=lambda d: type(d).__name__)
+@pytest.mark.parametrize("dec", ALL_DECODERS, ids=lambda d: type(d[0]).__name__)
 def test_rows_independent(dec):
   """Each row of a batch-3 run equals that row run alone, over two steps (so state is carried)."""
   z, tokens, maskable = (jnp.asarray(a) for a in _random_case(3))
@@ -411,7 +427,7 @@ def test_rows_independent(dec):
       np.testing.assert_array_equal(np.asarray(c_all)[b], alone[b][step][1])
 
 
-@pytest.mark.parametrize("dec", ALL_DECODERS, ids=lambda d: type(d).__name__)
+@pytest.mark.parametrize("dec", ALL_DECODERS, ids=lambda d: type(d[0]).__name__)
 def test_block_loop_in_while_loop_terminates(dec):
   """The engine's on-device loop: state carries through lax.while_loop and every block finishes.
 
@@ -424,20 +440,20 @@ def test_block_loop_in_while_loop_terminates(dec):
   maskable = jnp.ones((3, 10), bool).at[2, 7:].set(False)
 
   @functools.partial(jax.jit, static_argnums=0)
-  def run_block(dec, tokens):
+  def run_block(dec, knobs, tokens):
     def cond(carry):
       tokens, _, n = carry
       return jnp.any((tokens == MASK) & maskable) & (n < 50)
 
     def body(carry):
       tokens, state, n = carry
-      tokens, _, state = dec.step(state, z, tokens, maskable, mask_id=MASK,
-                                  threshold=jnp.float32(0.9), temperature=0.0, rng=None)
+      tokens, _, state = dec.step(state, z, tokens, maskable, knobs.replace(threshold=jnp.float32(0.9)),
+                                  mask_id=MASK, temperature=0.0, rng=None)
       return tokens, state, n + 1
 
     return jax.lax.while_loop(cond, body, (tokens, dec.init_state(tokens, maskable), jnp.int32(0)))
 
-  out, _, n = run_block(dec, tokens)
+  out, _, n = run_block(dec[0], jax.tree_util.tree_map(jnp.float32, dec[1]), tokens)
   out = np.asarray(out)
   assert int(n) <= 10
   assert (out[np.asarray(maskable)] != MASK).all()
@@ -451,7 +467,7 @@ def test_temperature_zero_is_argmax_and_ignores_rng():
   z, tokens, maskable = (jnp.asarray(a) for a in _random_case(4))
   p = propose(z, mask_id=MASK)
   np.testing.assert_array_equal(np.asarray(p.token), np.asarray(z).argmax(-1))
-  dec = HierarchyDecoder(0.8, 0.3)
+  dec = D(HierarchyDecoder, threshold=0.8, low_threshold=0.3)
   a = jstep(dec, (), z, tokens, maskable, rng=jax.random.key(0))
   b = jstep(dec, (), z, tokens, maskable, rng=jax.random.key(1))
   c = jstep(dec, (), z, tokens, maskable)
@@ -478,7 +494,7 @@ def test_temperature_seeded_and_confidence_untempered():
   assert (np.asarray(p1.alt_token) != MASK).all()
   # Through a decoder under jit: same key, same result.
   tokens, maskable = jnp.full((2, 8), MASK, jnp.int32), jnp.ones((2, 8), bool)
-  dec = ThresholdDecoder(0.9)
+  dec = D(ThresholdDecoder, threshold=0.9)
   a = jstep(dec, (), z, tokens, maskable, threshold=0.5, temperature=1.5, rng=jax.random.key(3))
   b = jstep(dec, (), z, tokens, maskable, threshold=0.5, temperature=1.5, rng=jax.random.key(3))
   np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
@@ -591,12 +607,12 @@ def test_threshold_and_hierarchy_match_numpy_reference():
     args = (jnp.asarray(z), jnp.asarray(tokens), jnp.asarray(maskable))
 
     want_commit, want_token = ref_threshold(x0, alt, conf, alt_conf, masked, thr)
-    new, committed, _ = jstep(ThresholdDecoder(0.9), (), *args, threshold=thr)
+    new, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), *args, threshold=thr)
     np.testing.assert_array_equal(np.asarray(committed), want_commit, err_msg=f"seed {seed}")
     np.testing.assert_array_equal(np.asarray(new), np.where(want_commit, want_token, tokens))
 
     want = ref_hierarchy(conf, masked, thr, low)
-    new, committed, _ = jstep(HierarchyDecoder(1.0, low), (), *args, threshold=thr)
+    new, committed, _ = jstep(D(HierarchyDecoder, threshold=1.0, low_threshold=low), (), *args, threshold=thr)
     np.testing.assert_array_equal(np.asarray(committed), want, err_msg=f"seed {seed}")
     np.testing.assert_array_equal(np.asarray(new),
                                   np.where(want, np.where(x0 == MASK, alt, x0), tokens))
@@ -624,34 +640,40 @@ def test_reference_cases_exercise_edge_cases():
 # --- construction --------------------------------------------------------------------------------
 
 
-def test_make_decoder_and_validation():
-  assert make_decoder("threshold", threshold=0.9) == ThresholdDecoder(0.9)
-  assert make_decoder("hierarchy", threshold=0.9, low_threshold=0.5) == HierarchyDecoder(0.9, 0.5)
-  assert make_decoder("fixed_steps", steps_per_block=4) == FixedStepsDecoder(4)
-  assert make_decoder("fastdllm", threshold=0.8) == FastDLLMDecoder(0.8)
-  cd = make_decoder("credit", threshold=0.9, vocab_size=V)
-  assert (cd.alpha, cd.gamma, cd.beta) == (0.7, 0.2, 0.8)
-  assert hash(cd) == hash(CreditDecoder(0.9, vocab_size=V))
+def test_registry_and_validation():
+  assert decoders.names()[:5] == ("threshold", "hierarchy", "credit", "fixed_steps", "fastdllm")
+  assert decoders.get("hierarchy") is HierarchyDecoder
+  assert decoders.from_config(GenerationConfig(threshold=0.3), vocab_size=V) == ThresholdDecoder()
+  assert decoders.from_config(GenerationConfig(decoder="fixed_steps", steps_per_block=4, block_length=8),
+                              vocab_size=V) == FixedStepsDecoder(4)
+  cd = decoders.from_config(GenerationConfig(decoder="credit", credit_beta=0.5), vocab_size=V)
+  assert cd == CreditDecoder(vocab_size=V) and hash(cd) == hash(CreditDecoder(vocab_size=V))  # no knob in it
+  kn = CreditDecoder.knobs()
+  assert (kn.threshold, kn.credit_alpha, kn.credit_gamma, kn.credit_beta) == (0.9, 0.7, 0.2, 0.8)
+  kn = CreditDecoder.knobs_of(GenerationConfig(decoder="credit", credit_beta=0.5, threshold=0.3))
+  assert (kn.threshold, kn.credit_beta) == (np.float32(0.3), np.float32(0.5))
   with pytest.raises(ValueError, match="hierarchy.*fastdllm|valid names"):
-    make_decoder("nope")
+    decoders.get("nope")
   with pytest.raises(ValueError, match="'nope'"):
-    make_decoder("nope")
+    decoders.get("nope")
   with pytest.raises(ValueError, match="steps"):
-    make_decoder("threshold", threshold=0.9, steps=3)
-  with pytest.raises(ValueError, match="vocab_size"):
-    make_decoder("credit", threshold=0.9)
-  for bad, field in [(lambda: ThresholdDecoder(1.5), "threshold"),
-                     (lambda: ThresholdDecoder(True), "threshold"),
-                     (lambda: HierarchyDecoder(0.5, 0.7), "low_threshold"),
-                     (lambda: CreditDecoder(0.9, beta=1.2, vocab_size=V), "beta"),
-                     (lambda: CreditDecoder(0.9, vocab_size=0), "vocab_size"),
+    ThresholdDecoder.knobs(threshold=0.9, steps=3)
+  with pytest.raises(TypeError, match="vocab_size"):
+    CreditDecoder()
+  for bad, field in [(lambda: ThresholdDecoder.knobs(threshold=1.5), "threshold"),
+                     (lambda: ThresholdDecoder.knobs(threshold=True), "threshold"),
+                     (lambda: HierarchyDecoder.knobs(threshold=0.5, low_threshold=0.7), "low_threshold"),
+                     (lambda: CreditDecoder.knobs(threshold=0.9, credit_beta=1.2), "credit_beta"),
+                     (lambda: CreditDecoder(vocab_size=0), "vocab_size"),
                      (lambda: FixedStepsDecoder(0), "steps_per_block"),
-                     (lambda: FastDLLMDecoder(float("nan")), "threshold")]:
+                     (lambda: FastDLLMDecoder.knobs(threshold=float("nan")), "threshold"),
+                     (lambda: GenerationConfig(decoder="credit", credit_gamma=0.0), "credit_gamma"),
+                     (lambda: GenerationConfig(decoder="threshold", steps_per_block=3), "steps_per_block")]:
     with pytest.raises(ValueError, match=field):
       bad()
   with pytest.raises(ValueError, match="vocab_size"):
-    jstep(CreditDecoder(0.9, vocab_size=V + 1), jinit(CreditDecoder(0.9, vocab_size=V + 1),
-          jnp.full((1, 2), MASK), jnp.ones((1, 2), bool)), *block([.5, .5]))
+    dec = D(CreditDecoder(vocab_size=V + 1), threshold=0.9)
+    jstep(dec, jinit(dec, jnp.full((1, 2), MASK), jnp.ones((1, 2), bool)), *block([.5, .5]))
 
 
 def test_max_and_argmax_is_jnp_max_and_argmax():

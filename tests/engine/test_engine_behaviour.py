@@ -57,11 +57,14 @@ def test_runtime_knobs_do_not_recompile(model_a, base, knob, values):
 
 def test_traced_knobs_equal_compiled_in_values(model_a):
   """The shared program (knobs traced) gives what a program with the values compiled in gives."""
+  import functools
+
   import jax
   import jax.numpy as jnp
 
   from dinfer_jax.engine import generate as gen_lib
   from dinfer_jax.engine import loop
+  from dinfer_jax.engine.program import Knobs
   params, mcfg = model_a
   prompts = [[5, 9, 3, 17, 40, 2], [7, 7, 1]]
   for gcfg in (GenerationConfig(gen_length=16, block_length=8, threshold=0.55, cache="dual"),
@@ -69,21 +72,32 @@ def test_traced_knobs_equal_compiled_in_values(model_a):
                GenerationConfig(gen_length=16, block_length=8, decoder="credit", threshold=0.6, credit_beta=0.5,
                                 credit_gamma=0.5, credit_alpha=1.5)):
     res = generate(model_a, prompts, gcfg, seed=4)
-    lay, static = gen_lib.prepare(mcfg, prompts, gcfg)
-    out = jax.jit(loop.run, static_argnames=tuple(static))(
-        gen_lib.inference_params(params), jnp.asarray(lay.canvas), jnp.asarray(lay.valid),
-        jnp.asarray(lay.positions), jax.random.PRNGKey(4), **static)
-    ref = gen_lib.collect(lay, out, len(prompts), static["eos_id"])
+    lay, prog = gen_lib.prepare(mcfg, prompts, gcfg)
+    compiled_in = functools.partial(loop.run, prog, knobs=Knobs.of(gcfg))  # closed over: constants
+    out = jax.jit(compiled_in)(gen_lib.engine_params(params), jnp.asarray(lay.canvas), jnp.asarray(lay.valid),
+                               jnp.asarray(lay.positions), jax.random.PRNGKey(4))
+    ref = gen_lib.collect(lay, out, len(prompts), prog.eos_id)
     assert (res.canvas, res.commit_step, res.nfe) == (ref.canvas, ref.commit_step, ref.nfe), gcfg
 
 
-def test_program_config_keeps_the_structure():
+def test_program_holds_the_structure_not_the_knobs(model_a):
+  """The DenoiseProgram (the jit static argument) is the same for every knob value and differs where the
+  structure does; the knobs travel as values."""
+  from dinfer_jax.engine.generate import prepare
+  from dinfer_jax.engine.program import Knobs
+  mcfg = model_a[1]
   g = GenerationConfig(threshold=0.4, temperature=0.3, cont_weight=0.2, decoder="hierarchy", low_threshold=0.1)
-  p = g.program_config()
-  assert p == g.replace(threshold=0.95, temperature=2.0, cont_weight=0.9, low_threshold=0.5).program_config()
-  assert p != g.replace(temperature=0.0).program_config()  # argmax vs sampling: another program
-  assert p != g.replace(cont_weight=0.0).program_config()  # smoothing off: another program
-  assert p.gen_length == g.gen_length and p.decoder == g.decoder and p.cache == g.cache
+  prog = lambda c: prepare(mcfg, [[5, 9, 3]], c)[1]  # noqa: E731
+  p = prog(g)
+  assert p == prog(g.replace(threshold=0.95, temperature=2.0, cont_weight=0.9, low_threshold=0.5))
+  assert hash(p) == hash(prog(g.replace(threshold=0.95)))
+  assert p != prog(g.replace(temperature=0.0))  # argmax vs sampling: another program
+  assert p != prog(g.replace(cont_weight=0.0))  # smoothing off: another program
+  assert p != prog(g.replace(cache="dual"))
+  assert p.decoder == prog(g.replace(decoder="hierarchy", low_threshold=0.3)).decoder
+  k = Knobs.of(g)
+  assert (float(k.decoder.threshold), float(k.decoder.low_threshold), float(k.temperature), float(k.cont_weight)) \
+      == (np.float32(0.4), np.float32(0.1), np.float32(0.3), np.float32(0.2))
 
 
 # ----------------------------------------------------------------------------- (b) early stop

@@ -11,7 +11,8 @@ from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine import iteration
 from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.generate import inference_params
+from dinfer_jax.engine.generate import engine_params
+from dinfer_jax.engine.program import Knobs
 from dinfer_jax.model.params import init_params
 
 
@@ -39,10 +40,11 @@ def _smoothing_program():
   # 5 blocks: the generation's 80 rows are neither the window's 48 nor the model's 64 features.
   gcfg = GenerationConfig(gen_length=80, block_length=16, cache="dual", threshold=0.8, prompt_bucket=16,
                           cont_weight=0.3, prefix_look=16, after_look=16, warmup_steps=4)
-  lay, static = gen_lib.prepare(cfg, [list(range(10, 26))], gcfg)
-  params = jax.eval_shape(lambda: inference_params(init_params(cfg, jax.random.PRNGKey(0)), cfg))
-  args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
-  return cfg, lay, jax.make_jaxpr(lambda p, *a: loop.run(p, *a, **static))(params, *args).jaxpr
+  lay, prog = gen_lib.prepare(cfg, [list(range(10, 26))], gcfg)
+  params = jax.eval_shape(lambda: engine_params(init_params(cfg, jax.random.PRNGKey(0)), cfg))
+  args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0),
+          Knobs.of(gcfg))
+  return cfg, lay, jax.make_jaxpr(lambda p, *a: loop.run(prog, p, *a))(params, *args).jaxpr
 
 
 def _conds_outside_loops(jaxpr):

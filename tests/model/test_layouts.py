@@ -124,15 +124,16 @@ def test_engine_program_never_copies_a_cache_buffer(model):
   compile of an fp32 model still copies them; the GPU one of bf16 does not: roofline bench)."""
   import re
   from dinfer_jax.engine import loop
+  from dinfer_jax.engine.program import Knobs
   cfg, params = model
   params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), params)
   for cache, extra in (("dual", {}), ("prefix", {}), ("dual", dict(prefix_look=4, after_look=4, warmup_steps=2))):
     gcfg = GenerationConfig(gen_length=32, block_length=8, cache=cache, threshold=0.9, **extra)
-    lay, static = gen_lib.prepare(cfg, [[3, 17, 42, 99, 7]], gcfg)
+    lay, prog = gen_lib.prepare(cfg, [[3, 17, 42, 99, 7]], gcfg)
     Bsz, Tc = lay.canvas.shape
-    args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
-    hlo = jax.jit(loop.run, static_argnames=tuple(static)).lower(
-        gen_lib.inference_params(params), *args, **static).compile().as_text()
+    args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0),
+            Knobs.of(gcfg))
+    hlo = loop.run_jit().lower(prog, gen_lib.engine_params(params), *args).compile().as_text()
     buf = rf"\[{Bsz},{Tc},{cfg.n_kv_heads},{cfg.head_dim}\]"
     # (copies of a broadcast are the zero-initialised buffers, made once before the loop)
     copies = [l for l in hlo.splitlines() if re.search(rf"= \w+{buf}(\{{[^}}]*\}})? copy\((?!%\w*broadcast)", l)]

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+from dinfer_jax.model import params as params_lib
 from train_td import data as data_lib
 from train_td import export as export_lib
 from train_td import objective, trainer
@@ -294,7 +295,7 @@ def test_init_from_a_model_starts_from_its_weights():
   model = dinfer_jax.load("default", dtype="float32")
   tc = trainer.TrainConfig(init_from="default", max_position=model.config.max_position)
   got = trainer._init_from_params(tc)
-  assert leaves_equal(got, model.params)
+  assert leaves_equal(got, params_lib.stack_layers(model.params))
   assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(got))
 
 
