@@ -3,11 +3,15 @@ commands share (model and generation flags, the model's defaults, prompt encodin
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import importlib.metadata
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from dinfer_jax import cli_common
+from dinfer_jax.checkpoint import cli as checkpoint_cli
 from dinfer_jax.cli_common import (decode_tokens, encode_prompts, generation_config, knob_sources, render_steps,
                                    step_records)
 from dinfer_jax.engine.config import GenerationConfig
@@ -150,39 +154,53 @@ def build_parser(model_defaults: dict[str, Any] | None = None) -> argparse.Argum
   serve_cli.register(sub, model_defaults)
   from dinfer_jax.evaluation import cli as eval_cli  # imports lm-eval only when `lm-eval` runs
   eval_cli.register(sub)
-  for name, text in DELEGATED.items():  # listed in the help; main() hands their arguments over unparsed
-    sub.add_parser(name, help=text, add_help=False)
+  for name, cmd in delegated().items():  # listed in the help; main() hands their arguments over unparsed
+    sub.add_parser(name, help=cmd.help, add_help=False)
   return ap
 
 
 # ----------------------------------------------------------------------------- delegated subcommands
-# `dinfer-jax convert ...` and `dinfer-jax train ...` hand their whole command line to the converter's and
-# train_td's own CLIs, so that an installed (non-editable) dinfer-jax can convert and train.
-
-DELEGATED = {"convert": "convert checkpoints: hf2jax | jax2hf | inspect (the converter's own CLI)",
-             "train": "train_td: train RUN_DIR | export RUN_DIR | eval --task T (train_td's own CLI; "
-                      "'dinfer-jax train RUN_DIR ...' means 'train RUN_DIR ...')"}
+# `dinfer-jax convert ...` hands its whole command line to the converter's own CLI, and every command a
+# package registers under the "dinfer_jax.commands" entry point group (train_td's `train`, see pyproject.toml)
+# hands it to that package's CLI: the library never imports its plugins by name, yet an installed
+# (non-editable) dinfer-jax can convert and train.
 
 
-def convert_main(argv: Sequence[str]) -> int:
+@dataclasses.dataclass(frozen=True)
+class Command:
+  """A delegated command: its help line, main(argv, prog) -> exit status, and the names of its own
+  subcommands (where a --model given before the command goes: after the subcommand)."""
+  help: str
+  main: Callable[[Sequence[str], str], int]
+  subcommands: tuple[str, ...] = ()
+
+
+def convert_main(argv: Sequence[str], prog: str = "dinfer-jax convert") -> int:
   """The converter's CLI (the same as `python -m convert` in a checkout)."""
-  from dinfer_jax.checkpoint.cli import main as convert_cli
-  return convert_cli(list(argv), prog="dinfer-jax convert")
+  return checkpoint_cli.main(list(argv), prog=prog)
 
 
-def train_main(argv: Sequence[str]) -> int:
-  """train_td's CLI (train / export / eval / collect / distill); a first argument that is none of those is a
-  run directory."""
-  from train_td.__main__ import SUBCOMMANDS, main as train_cli
-  argv = list(argv)
-  if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help"):
-    argv = ["train", *argv]
-  return train_cli(argv, prog="dinfer-jax train")
+CONVERT = Command("convert checkpoints: hf2jax | jax2hf | inspect (the converter's own CLI)", convert_main)
+COMMAND_GROUP = "dinfer_jax.commands"
+
+
+@functools.cache
+def delegated() -> dict[str, Command]:
+  """convert, then the commands that installed packages register (entry point group COMMAND_GROUP); one that
+  cannot be loaded is left out with a warning."""
+  out = {"convert": CONVERT}
+  for ep in importlib.metadata.entry_points(group=COMMAND_GROUP):
+    try:
+      out.setdefault(ep.name, ep.load())
+    except Exception as e:  # noqa: BLE001 - a broken plugin must not take the other commands down
+      print(f"warning: the {ep.name!r} command ({ep.value}) cannot be loaded: {type(e).__name__}: {e}",
+            file=sys.stderr)
+  return out
 
 
 def _hoist_model(argv: list[str]) -> list[str]:
-  """A --model given before the command (`dinfer-jax --model M generate ...`) goes to the command; for
-  `train`, to its subcommand (eval, collect), which is where train_td takes --model."""
+  """A --model given before the command (`dinfer-jax --model M generate ...`) goes to the command; for a
+  delegated one with subcommands (`train`), to its subcommand (eval, collect), which is where it takes --model."""
   lead = []
   while argv and (argv[0].startswith("--model=") or (argv[0] == "--model" and len(argv) > 1)):
     n = 1 if argv[0].startswith("--model=") else 2
@@ -190,16 +208,16 @@ def _hoist_model(argv: list[str]) -> list[str]:
   if not lead or not argv or argv[0].startswith("-"):
     return lead + argv
   at = 1
-  if argv[0] == "train" and len(argv) > 1:
-    from train_td.__main__ import SUBCOMMANDS
-    at = 2 if argv[1] in SUBCOMMANDS else 1
+  cmd = delegated().get(argv[0]) if argv[0] not in ("generate",) else None
+  if cmd is not None and len(argv) > 1:
+    at = 2 if argv[1] in cmd.subcommands else 1
   return argv[:at] + lead + argv[at:]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   argv = _hoist_model(list(sys.argv[1:] if argv is None else argv))
-  if argv and argv[0] in DELEGATED:
-    return (convert_main if argv[0] == "convert" else train_main)(argv[1:])
+  if argv and argv[0] in delegated():
+    return delegated()[argv[0]].main(argv[1:], f"dinfer-jax {argv[0]}")
   args = build_parser(cli_common.help_defaults(argv)).parse_args(argv)
   try:
     return args.func(args)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
 import sys
 from typing import Any, Iterator, Sequence
 
-from dinfer_jax import decoders
+from dinfer_jax import decoders, tasks
 from dinfer_jax.engine.config import CACHES, GenerationConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -250,10 +251,28 @@ def trained_tasks(model) -> list[str] | None:
   return list(names) if names and model.tokenizer is not None else None
 
 
+def user_turn_markers(tokenizer) -> tuple[str, str]:
+  """(the text before a user turn's content, the text after it up to the generation prompt), read off the
+  model's chat template: two one-turn chats whose contents differ, rendered, share exactly those."""
+  a, b = (tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+          for c in ("a", "b"))
+  n = len(os.path.commonprefix([a, b]))
+  m = len(os.path.commonprefix([a[::-1], b[::-1]]))
+  return a[:n], a[len(a) - m:]
+
+
+def user_turn(tokenizer, ids: Sequence[int]) -> str:
+  """The last user turn's content as the chat template wrote it (e.g. the default model's column format:
+  "<|user|> 12* 13<|assistant|>" -> " 12* 13")."""
+  text = tokenizer.decode(list(ids), skip_special_tokens=False)
+  before, after = user_turn_markers(tokenizer)
+  return text.rsplit(before, 1)[-1].split(after, 1)[0] if before else text.split(after, 1)[0]
+
+
 def prompt_tasks(model, names: Sequence[str], ids: Sequence[Sequence[int]]) -> list[str | None]:
-  """Per prompt (token ids, chat template applied), the trained task it falls in, or None."""
-  from train_td.prompting import task_of_prompt
-  return [task_of_prompt(names, model.tokenizer, row) for row in ids]
+  """Per prompt (token ids, chat template applied), the trained task (dinfer_jax.tasks) its user turn falls
+  in, or None."""
+  return [tasks.trained_task_of(names, user_turn(model.tokenizer, row)) for row in ids]
 
 
 def warn_outside_training(index: int, names: Sequence[str]) -> None:

@@ -7,7 +7,7 @@
   collect --model PATH --task NAME --n N --out DIR [--batch B] [--seed S] [GenerationConfig flags]
 
 A task NAME is a built-in task (arithmetic, program, sort, add, split) or a FILE.jsonl of your own math or
-code problems (train_td/tasks/jsonl.py); `--base` may be any model dinfer_jax loads (train_td/README.md).
+code problems (dinfer_jax/tasks/jsonl.py); `--base` may be any model dinfer_jax loads (train_td/README.md).
   distill --base default --out dinfer_jax/assets/default-td --work DIR [--tasks ...] [--n ...] [--steps ...]
 
 Resuming (`train RUN_DIR` again, or with --resume) takes every setting from RUN_DIR/train_config.json;
@@ -21,6 +21,8 @@ import dataclasses
 import json
 import sys
 from typing import Sequence
+
+from dinfer_jax.cli import Command
 
 
 def _positive_int(text: str) -> int:
@@ -286,13 +288,27 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m train_td") ->
   """Runs the train_td CLI on `argv` (default sys.argv[1:]); returns the exit status. `prog` names the
   command in usage and error lines (e.g. "dinfer-jax train" when another CLI delegates here)."""
   args = build_parser(prog).parse_args(argv)
-  from train_td.sandbox import SandboxError
+  from dinfer_jax.tasks.sandbox import SandboxError
   try:
     return args.func(args)
   except (ValueError, OSError, SandboxError) as e:  # bad flags, paths, configs, checkpoints: no traceback
     msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror or e}"
     print(f"error: {msg}", file=sys.stderr)
     return 2
+
+
+def delegated_main(argv: Sequence[str], prog: str) -> int:
+  """`dinfer-jax train ...`: a first argument that is none of the subcommands is a run directory
+  (`dinfer-jax train RUN_DIR ...` means `train RUN_DIR ...`)."""
+  argv = list(argv)
+  if not argv or argv[0] not in (*SUBCOMMANDS, "-h", "--help"):
+    argv = ["train", *argv]
+  return main(argv, prog=prog)
+
+
+# The `dinfer-jax train` command (pyproject.toml registers it under the "dinfer_jax.commands" entry points).
+COMMAND = Command("train_td: train RUN_DIR | export RUN_DIR | eval --task T (train_td's own CLI; "
+                  "'dinfer-jax train RUN_DIR ...' means 'train RUN_DIR ...')", delegated_main, tuple(SUBCOMMANDS))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
   import dinfer_jax
   from dinfer_jax.cli_common import read_generation_file
   from train_td import evaluate, export, td_train
-  from train_td import tasks as tasks_lib
+  from dinfer_jax import tasks as tasks_lib
   known = {v[0]: v for v in VARIANTS}
   chosen = [known[v] for v in a.variants.split(",")] if all(v in known for v in a.variants.split(",")) else None
   if chosen is None:

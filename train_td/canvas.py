@@ -21,7 +21,7 @@ import dinfer_jax
 from train_td import data as data_lib
 from train_td import distill
 from train_td import evaluate
-from train_td import tasks as tasks_lib
+from dinfer_jax import tasks as tasks_lib
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from typing import Any
 from dinfer_jax.engine.config import GenerationConfig
 from train_td import evaluate
 from train_td import prompting
-from train_td import tasks as tasks_lib
+from dinfer_jax import tasks as tasks_lib
 from train_td import td_data
 
 CONFIG = "collect_config.json"

@@ -18,7 +18,7 @@ from dinfer_jax.cli_common import model_generation_defaults
 from dinfer_jax.engine.config import GenerationConfig
 from train_td import evaluate
 from train_td import prompting
-from train_td import tasks as tasks_lib
+from dinfer_jax import tasks as tasks_lib
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DECODERS = ("threshold", "hierarchy", "credit")

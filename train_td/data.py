@@ -17,7 +17,7 @@ from typing import Mapping
 
 import numpy as np
 
-from train_td import tasks as tasks_lib
+from dinfer_jax import tasks as tasks_lib
 from train_td import tokenizer as tok_lib
 
 DEFAULT_MIX = (("arithmetic", 0.65), ("program", 0.35))

@@ -20,7 +20,7 @@ import numpy as np
 from dinfer_jax.engine.config import GenerationConfig
 from train_td import data as data_lib
 from train_td import prompting
-from train_td import tasks as tasks_lib
+from dinfer_jax import tasks as tasks_lib
 from train_td import tokenizer as tok_lib
 
 def decode(ids: Sequence[int], tokenizer=None) -> str:

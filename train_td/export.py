@@ -136,7 +136,7 @@ def run_generation_config(tc) -> dict[str, Any]:
   if rules:
     gen["prompt_rules"] = rules
   # The built-in tasks it learned: `dinfer-jax generate` warns about a prompt outside all of them.
-  from train_td.tasks import get_task
+  from dinfer_jax.tasks import get_task
   gen["trained_tasks"] = [name for name, w in tc.mix if w > 0 and not get_task(name).chat]
   return gen
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from dinfer_jax.cli_common import encode_prompts
+from dinfer_jax.tasks import Problem, Task
 from train_td import data as data_lib
 from train_td import tokenizer as tok_lib
-from train_td.tasks import Problem, Task
 
 
 def is_char_tokenizer(tokenizer) -> bool:
@@ -37,7 +38,6 @@ def prompt_ids(model, task: Task, problems: Sequence[Problem]) -> list[list[int]
   built-in tasks)."""
   _check(getattr(model, "tokenizer", None), task, getattr(model, "path", None))
   if task.chat:
-    from dinfer_jax.cli_common import encode_prompts
     return encode_prompts(model, [p.prompt for p in problems], warn=False)
   return [data_lib.encode_prompt(p.prompt) for p in problems]
 
@@ -51,12 +51,3 @@ def prompt_text(tokenizer, task: Task, problem: Problem, where=None) -> str:
                                            add_generation_prompt=True)
     return problem.prompt
   return tok_lib.format_chat(problem.prompt)
-
-
-def task_of_prompt(task_names: Sequence[str], tokenizer, ids: Sequence[int]) -> str | None:
-  """Which of a model's trained tasks a prompt (token ids, chat template applied) falls in; None: none of
-  them. The user turn is read back in the tasks' own format ("<|user|> 12* 13<|assistant|>" -> " 12* 13")."""
-  from train_td.tasks import trained_task_of
-  text = tokenizer.decode(list(ids), skip_special_tokens=False)
-  user = text.rsplit(tok_lib.USER_TOKEN, 1)[-1].split(tok_lib.ASSISTANT_TOKEN, 1)[0]
-  return trained_task_of(task_names, user)

@@ -13,12 +13,13 @@ Four policies, chosen from the model's decoding and the generation config (`for_
   forward on its final tokens so that the cache holds their clean K/V.
 
 Policies are frozen dataclasses: static arguments of the compiled program (engine.program.DenoiseProgram).
-Their forward methods take the loop's trace context (engine.loop.Trace) and run inside the program.
+Their forward methods run inside the program and take its trace context: `tr` an engine.trace.Trace (the
+program, params and the call's traced arguments), `blk` an engine.trace.Block (the block being decoded).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -28,21 +29,18 @@ from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import iteration
 from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine.state import GenState
 from dinfer_jax.model.layers import slice_rows
 
-if TYPE_CHECKING:  # the loop imports this module; its types are only named here
-  from dinfer_jax.engine.loop import Block, Trace
-  from dinfer_jax.engine.state import GenState
+def rows_col(x: jax.Array) -> jax.Array:
+  """A scalar or [B] per-row index as a column ([1, 1] or [B, 1]) to compare against a row of positions."""
+  return jnp.reshape(x, (-1, 1))
+
 
 # The forward a row takes in an iteration (its phase).
 FULL = 1  # full canvas forward, no cache read or write (no cache, vicinity warm-up)
 REFRESH = 2  # full canvas forward whose K/V replace the row's cache (block entry)
 CACHED = 3  # window forward reading the cache
-
-
-def rows_col(x: jax.Array) -> jax.Array:
-  """A scalar or [B] per-row index as a column ([1, 1] or [B, 1]) to compare against a row of positions."""
-  return jnp.reshape(x, (-1, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,17 +94,17 @@ class CachePolicy:
     del block_len
     return valid
 
-  def prefill(self, tr: "Trace", st: "GenState") -> "GenState":
+  def prefill(self, tr: Any, st: GenState) -> GenState:
     """Work before the first block (block diffusion's prompt prefill); none by default."""
     del tr
     return st
 
-  def window(self, tr: "Trace", s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def window(self, tr: Any, s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(c0, lo, hi) of the cached forward of the block starting at s: its fixed-width input window starts at
     canvas index c0, and fresh K/V are written for positions in [lo, hi) only."""
     raise NotImplementedError
 
-  def full_forward(self, tr: "Trace", blk: "Block", st: "GenState", refresh: jax.Array):
+  def full_forward(self, tr: Any, blk: Any, st: GenState, refresh: jax.Array):
     """Whole-canvas forward; refresh rows [B] take its K/V into their cache. Returns (the block's logits, or
     with smoothing the final-normed rows of the generation region [C, Tc), and the cache). With smoothing the
     step takes the rows from the block on through the LM head (the prompt holds no mask, nor do the blocks
@@ -119,7 +117,7 @@ class CachePolicy:
     new_cache = cache_lib.select_rows(refresh, out.kv, st.cache) if self.has_cache else None
     return (out.hidden if tr.smoothing else out.logits), new_cache
 
-  def window_forward(self, tr: "Trace", st: "GenState", s: jax.Array, c0: jax.Array, width: int,
+  def window_forward(self, tr: Any, st: GenState, s: jax.Array, c0: jax.Array, width: int,
                      key_mask: jax.Array, write: jax.Array, *, keep_cache: bool = True):
     """Forward of the canvas window [c0, c0 + width) over the cache, fresh K/V where `write`.
 
@@ -138,7 +136,7 @@ class CachePolicy:
     return tr.forward(positions=slice_rows(tr.positions, c0, width), mask=key_mask, cache=st.cache,
                       cache_start=c0, write_mask=write, keep_cache=keep_cache, **inp, **lg)
 
-  def cached_forward(self, tr: "Trace", blk: "Block", st: "GenState", rows: jax.Array, win: int):
+  def cached_forward(self, tr: Any, blk: Any, st: GenState, rows: jax.Array, win: int):
     """The cached forward over the policy's window. rows [B]: the rows taking it; win: the prefix window's
     index into grid.windows (static: one switch branch per width). Returns (logits, cache, c0, write)."""
     W = tr.grid.window
@@ -148,7 +146,7 @@ class CachePolicy:
     out = self.window_forward(tr, st, blk.s, c0, W, tr.valid, write)
     return out.logits, out.kv, c0, write  # the cache, updated in place
 
-  def owed_after(self, tr: "Trace", blk: "Block", owed: jax.Array, roles: Any, canvas: jax.Array) -> jax.Array:
+  def owed_after(self, tr: Any, blk: Any, owed: jax.Array, roles: Any, canvas: jax.Array) -> jax.Array:
     """[B]: the rows that owe a forward after this iteration although their block may hold no mask. Under
     dinfer_compat, dInfer's cached step after every refresh (even one that completed the block)."""
     del blk, canvas
@@ -213,16 +211,16 @@ class PrefixCache(CachePolicy):
   def window_widths(self, block_len: int, num_blocks: int) -> tuple[int, ...]:
     return iteration.prefix_windows(num_blocks, block_len)
 
-  def window(self, tr: "Trace", s: jax.Array):
+  def window(self, tr: Any, s: jax.Array):
     # Block and everything after it, recomputed each step; the window starts at the first block.
     return jnp.asarray(tr.grid.first_block, jnp.int32), s, jnp.asarray(tr.grid.canvas_len, jnp.int32)
 
-  def cached_forward(self, tr: "Trace", blk: "Block", st: "GenState", rows: jax.Array, win: int):
+  def cached_forward(self, tr: Any, blk: Any, st: GenState, rows: jax.Array, win: int):
     if not blk.windowed:
       return super().cached_forward(tr, blk, st, rows, win)
     return self._narrow_forward(tr, blk, st, tr.grid.windows[win])
 
-  def _narrow_forward(self, tr: "Trace", blk: "Block", st: "GenState", width: int):
+  def _narrow_forward(self, tr: Any, blk: Any, st: GenState, width: int):
     """The cached forward over the narrowest bucketed window that holds the block and everything after it
     (grid.windows), not the whole generation every time. With smoothing the window's logits go back to the
     widest window's coordinates (it starts at C), where the rest of the step expects them."""
@@ -255,7 +253,7 @@ class DualCache(CachePolicy):
   def window_width(self, block_len: int, num_blocks: int) -> int:
     return self.prefix_look + block_len + self.after_look
 
-  def window(self, tr: "Trace", s: jax.Array):
+  def window(self, tr: Any, s: jax.Array):
     """dInfer's window [max(0, s - pl), min(T, e + al)) changes width at the canvas edges; a fixed width keeps
     one compiled shape, and writing only [lo, hi) keeps the attended keys equal."""
     lo = s - self.prefix_look
@@ -277,7 +275,7 @@ class BlockDiffusionCache(CachePolicy):
   def phase(self, n: jax.Array, refreshed: jax.Array) -> jax.Array:
     return jnp.full(n.shape, CACHED, jnp.int32)
 
-  def prefill(self, tr: "Trace", st: "GenState") -> "GenState":
+  def prefill(self, tr: Any, st: GenState) -> GenState:
     """The prompt's blocks under the block-causal mask (dInfer's BlockDiffusionRunner.prefill): one forward."""
     P, L = tr.grid.prefill_len, tr.grid.block_len
     blk_of = jnp.arange(P) // L
@@ -287,10 +285,10 @@ class BlockDiffusionCache(CachePolicy):
     counters = st.counters.replace(nfe=st.counters.nfe + 1)
     return st.replace(cache=cache, counters=counters, n=st.n + 1)
 
-  def window(self, tr: "Trace", s: jax.Array):
+  def window(self, tr: Any, s: jax.Array):
     return s, s, s + tr.grid.block_len
 
-  def cached_forward(self, tr: "Trace", blk: "Block", st: "GenState", rows: jax.Array, win: int):
+  def cached_forward(self, tr: Any, blk: Any, st: GenState, rows: jax.Array, win: int):
     """The block over the cache; the rows taking it persist its fresh K/V."""
     W, s = tr.grid.window, blk.s
     c0, lo, hi = self.window(tr, s)
@@ -300,7 +298,7 @@ class BlockDiffusionCache(CachePolicy):
     out = self.window_forward(tr, st, s, c0, W, key_mask, write, keep_cache=False)
     return out.logits, cache_lib.select_rows(rows, out.kv, st.cache), c0, write
 
-  def owed_after(self, tr: "Trace", blk: "Block", owed: jax.Array, roles: Any, canvas: jax.Array) -> jax.Array:
+  def owed_after(self, tr: Any, blk: Any, owed: jax.Array, roles: Any, canvas: jax.Array) -> jax.Array:
     """The clean-K/V forward is owed by a row whose block just lost its last mask, for the blocks after it:
     none after the last block, nor after an EOS that ends the row (dinfer_compat runs it anyway). It is paid
     by the row's next iteration, which runs with no mask."""

@@ -32,6 +32,7 @@ from dinfer_jax.engine.generate import bucket_rows, committed_tokens, engine_par
 from dinfer_jax.engine.layout import Layout
 from dinfer_jax.engine.program import DenoiseProgram, Knobs
 from dinfer_jax.engine.state import ROWS, axes
+from dinfer_jax.engine.trace import Trace
 
 
 @flax.struct.dataclass
@@ -76,7 +77,7 @@ def step(program: DenoiseProgram, params: dict, st: PoolState, knobs: Knobs) -> 
   done = st.done | (st.block >= program.grid.num_blocks)
   inner = loop.init_state(program, params, st.canvas, st.valid, block=st.block)
   inner = inner.replace(commit=st.commit, n=st.n, done=done, emb=st.emb if program.smoothing else inner.emb)
-  tr = loop.Trace(program, params, st.valid, st.positions, st.keys, knobs)
+  tr = Trace(program, params, st.valid, st.positions, st.keys, knobs)
   out = loop.block_body(tr)(inner)
   new = st.replace(canvas=out.canvas, commit=out.commit, n=out.n, block=out.block,
                    done=out.done | (out.block >= program.grid.num_blocks), emb=out.emb if program.smoothing else st.emb)

@@ -54,7 +54,7 @@ def test_rows_keep_tokens_per_step_about_equal():
 
 def test_same_problems_on_every_canvas():
   # The answer of a problem does not depend on the canvas: rows of two canvases differ only in padding.
-  from train_td import tasks
+  from dinfer_jax import tasks
   it = tasks.iter_problems(_config().train_task("arithmetic"), "train", 3)
   probs = [next(it) for _ in range(4)]
   short = data_lib.make_rows(probs, 10, 8)

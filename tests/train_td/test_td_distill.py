@@ -25,8 +25,8 @@ from train_td import collect as collect_lib
 from train_td import data as data_lib
 from train_td import export as export_lib
 from train_td import objective, td_data, td_train, trainer
-from train_td import tasks as tasks_lib
-from train_td.tasks import base as tasks_base
+from dinfer_jax import tasks as tasks_lib
+from dinfer_jax.tasks import base as tasks_base
 
 pytest.importorskip("pyarrow")
 

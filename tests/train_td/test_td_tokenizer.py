@@ -5,7 +5,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from train_td import tasks
+from dinfer_jax import tasks
 from train_td import tokenizer as T
 
 

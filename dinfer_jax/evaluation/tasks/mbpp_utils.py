@@ -15,7 +15,7 @@ def extract_code(answer: str) -> str:
 
 
 def passes(code: str, setup: str, tests: list[str], timeout: float = 10.0) -> bool:
-  from train_td import harness, sandbox
+  from dinfer_jax.tasks import harness, sandbox
   limits = sandbox.Limits(cpu_seconds=max(1, int(timeout)), wall_seconds=timeout, memory_bytes=512 * 2**20,
                           max_output_bytes=1 << 20)
   try:

@@ -23,12 +23,12 @@ def load_program(**_):
 
 
 def _problem(doc):
-  from train_td.tasks.base import Problem
+  from dinfer_jax.tasks.base import Problem
   pairs = lambda v: tuple((int(a), int(b)) for a, b in (v or ()))
   return Problem(task=doc["task"], prompt=doc["prompt"], answer=doc["answer"],
                  split_keys=tuple(doc["split_keys"]), examples=pairs(doc["examples"]), tests=pairs(doc["tests"]))
 
 
 def process_results(doc, results):
-  from train_td import tasks as tasks_lib
+  from dinfer_jax import tasks as tasks_lib
   return {"acc": float(bool(tasks_lib.get_task(doc["task"]).check(_problem(doc), results[0])))}

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from train_td.tasks.base import Problem, Task
+from dinfer_jax.tasks.base import Problem, Task
 
 PREFIX = "split:"
 _ANSWER = re.compile(r"\s*([0-9]+)\s*\+\s*([0-9]+)\s*")

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from train_td.tasks.base import Problem, Task
+from dinfer_jax.tasks.base import Problem, Task
 
 _INTEGER = re.compile(r"-?[0-9]+")
 _MAX_ANSWER_CHARS = 64  # longer text is wrong anyway; bounds the int() parse

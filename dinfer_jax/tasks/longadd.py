@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from train_td.tasks.base import Problem, Task
+from dinfer_jax.tasks.base import Problem, Task
 
 PREFIX = "add:"
 _MAX_ANSWER_CHARS = 128  # bounds the parse of untrusted text; any right answer is far shorter

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from train_td import harness, sandbox
+from dinfer_jax.tasks import harness, sandbox
 
 pytestmark = pytest.mark.skipif(not sandbox.available_modes(), reason="no sandbox on this machine")
 

@@ -1,8 +1,11 @@
-"""Verifiable tasks for training and evaluating small diffusion LMs.
+"""Verifiable tasks for training and evaluating diffusion LMs: problem generators with held-out splits, their
+answer checks, and the sandbox and harness that run model-written code (sandbox.py, harness.py). They live in
+the library because both sides use them: train_td trains and collects on them, evaluation/ scores with them,
+and a model's generation_config.json names the ones it was trained on (trained_task_of).
 
 Usage:
 
-  from train_td import tasks
+  from dinfer_jax import tasks
   task = tasks.get_task("arithmetic")
   train = tasks.train_problems(task, 10_000, seed=0)   # or tasks.iter_problems(task, "train", seed)
   test = tasks.test_problems(task, 500)                  # disjoint from every training draw
@@ -11,14 +14,14 @@ Usage:
 Built-in tasks ("arithmetic", "program", "sort", "add", "split") are registered on import. To add one, subclass `Task`
 (`name`, `generate`, `check`) and call `register_task(MyTask())`.
 """
-from train_td.tasks.arithmetic import ArithmeticTask
-from train_td.tasks.base import (Problem, Split, Task, check_all, get_task, iter_problems, key_split,
-                                 problem_split, register_task, task_names, test_problems,
-                                 train_problems, trained_task_of)
-from train_td.tasks.longadd import LongAddTask
-from train_td.tasks.program import DOMAIN, FAMILIES, Family, ProgramTask, canonical_functions
-from train_td.tasks.sort import SortTask
-from train_td.tasks.split import SplitTask
+from dinfer_jax.tasks.arithmetic import ArithmeticTask
+from dinfer_jax.tasks.base import Problem, Split, Task, key_split, problem_split, register_task, task_names
+from dinfer_jax.tasks.registry import (check_all, get_task, iter_problems, test_problems, train_problems,
+                                       trained_task_of)
+from dinfer_jax.tasks.longadd import LongAddTask
+from dinfer_jax.tasks.program import DOMAIN, FAMILIES, Family, ProgramTask, canonical_functions
+from dinfer_jax.tasks.sort import SortTask
+from dinfer_jax.tasks.split import SplitTask
 
 ARITHMETIC = register_task(ArithmeticTask())
 PROGRAM = register_task(ProgramTask())

@@ -3,7 +3,7 @@
 A code problem is a program plus asserts ("assert add(2, 3) == 5"). Running the asserts after the
 program in one interpreter lets the program decide its own verdict: exit 0 before the asserts
 (`sys.exit(0)`, `os._exit(0)`, an atexit hook, a `__del__`), or return an object whose `__eq__` says True.
-Here the harness decides, in two sandboxed runs (`train_td.sandbox`, the same isolation as before):
+Here the harness decides, in two sandboxed runs (`dinfer_jax.tasks.sandbox`, the same isolation as before):
 
 1. **Probe run** (untrusted): setup, the program, then only the *probes*: the sub-expressions of the
    asserts that need the program ("add(2, 3)"), never the comparisons or the expected values. Each
@@ -38,7 +38,7 @@ import json
 import secrets
 from typing import Sequence
 
-from train_td import sandbox
+from dinfer_jax.tasks import sandbox
 
 MAX_PROBES = 10_000
 MAX_ITER_ITEMS = 100_000  # an iterator probe keeps at most this many items

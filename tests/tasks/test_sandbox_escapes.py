@@ -15,8 +15,8 @@ import uuid
 
 import pytest
 
-from train_td import sandbox
-from train_td.sandbox import Limits, run_python
+from dinfer_jax.tasks import sandbox
+from dinfer_jax.tasks.sandbox import Limits, run_python
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODES = sandbox.available_modes()

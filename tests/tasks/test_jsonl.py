@@ -16,9 +16,9 @@ from dinfer_jax import api
 from dinfer_jax.engine.config import GenerationConfig
 from train_td import collect as collect_lib
 from train_td import evaluate, export as export_lib, prompting, td_data, td_train, trainer
-from train_td import tasks as tasks_lib
-from train_td.tasks import base as tasks_base
-from train_td.tasks import jsonl
+from dinfer_jax import tasks as tasks_lib
+from dinfer_jax.tasks import base as tasks_base
+from dinfer_jax.tasks import jsonl
 
 pytest.importorskip("pyarrow")
 TINY_LLADA = pathlib.Path(__file__).resolve().parents[1] / "golden" / "forward" / "tiny_llada"

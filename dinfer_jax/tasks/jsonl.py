@@ -11,7 +11,7 @@ per line:
   else its last number; it must equal "answer" as a number (exact rationals: "0.5" == "1/2" == "\\frac{1}{2}",
   "1,234" == "1234"), or as text after removing spaces, "$" and a trailing "." when "answer" is not a number.
 - code ("tests"): the model's program (its first ``` fenced block, else the whole answer) runs after "setup"
-  in `train_td.sandbox` (never in-process), and `train_td.harness` decides: the asserts are evaluated
+  in `dinfer_jax.tasks.sandbox` (never in-process), and `dinfer_jax.tasks.harness` decides: the asserts are evaluated
   outside the program's process over the plain data its functions returned, so an early exit, an
   atexit hook or an object whose `__eq__` always says True cannot pass. Every test must be one assert
   the harness can split (checked when the file is read). An optional "answer" holds a reference
@@ -36,8 +36,8 @@ from typing import ClassVar
 import numpy as np
 
 from dinfer_jax.prompt_input import read_utf8
-from train_td import harness, sandbox
-from train_td.tasks.base import Problem, Split, Task
+from dinfer_jax.tasks import harness, sandbox
+from dinfer_jax.tasks.base import Problem, Split, Task
 
 KINDS = ("math", "code")
 # Per program: a test suite of a few asserts, not a benchmark harness. The output holds the probe record.

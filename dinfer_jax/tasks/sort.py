@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from train_td.tasks.base import Problem, Task
+from dinfer_jax.tasks.base import Problem, Task
 
 PREFIX = "sort:"
 _ANSWER = re.compile(r"[0-9]+(,[0-9]+)*")

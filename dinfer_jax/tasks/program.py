@@ -5,7 +5,7 @@ inputs implied by their order; this keeps the prompt short and every value at a 
 function comes from families with integer constants (x*a+b and x*x+c with |b|, |c| < 100, a-x, x%m, x//d,
 abs(x-a), max(x,a), min(x,a)) over the integer domain 0..19; about 2100 distinct functions, 20% of them
 held out. The model answers with a Python expression in x; the
-verifier runs it in `train_td.sandbox` (never in-process) on the shown inputs and on every held-out input
+verifier runs it in `dinfer_jax.tasks.sandbox` (never in-process) on the shown inputs and on every held-out input
 n_shown..19, and accepts only if every output matches, so any equivalent expression is right.
 
 Functions are identified by their values on the domain: constants that give the same function in two
@@ -24,8 +24,8 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from train_td import sandbox
-from train_td.tasks.base import Problem, Task
+from dinfer_jax.tasks import sandbox
+from dinfer_jax.tasks.base import Problem, Task
 
 DOMAIN = tuple(range(20))
 

@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from train_td import sandbox, tasks
-from train_td.tasks import base
+from dinfer_jax.tasks import sandbox, tasks
+from dinfer_jax.tasks import base
 
 ARITH = tasks.get_task("arithmetic")
 PROG = tasks.get_task("program")

@@ -1,6 +1,6 @@
 """Run untrusted, model-written Python in a contained child process.
 
-Everything a model writes is executed here and nowhere else: the verifiers in `train_td.tasks` never
+Everything a model writes is executed here and nowhere else: the verifiers in `dinfer_jax.tasks` never
 `eval` model output in-process. The module is stdlib-only on purpose: it doubles as the launcher script
 that runs inside the sandbox's namespaces (`python -I -S -B sandbox.py --launch CONFIG`), and it must be
 importable by a plain system interpreter (the non-root tests run it as `nobody`).

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
-from train_td import sandbox
-from train_td.sandbox import Limits, run_python
+from dinfer_jax.tasks import sandbox
+from dinfer_jax.tasks.sandbox import Limits, run_python
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODES = sandbox.available_modes()
@@ -146,7 +146,7 @@ def test_escaped_background_process_killed(mode, run_uids):
 _CALLER = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from train_td import sandbox
+from dinfer_jax.tasks import sandbox
 sandbox.available_modes()  # the probe runs a sandboxed program too; get it out of the way
 sandbox._new_uid = lambda: int(sys.argv[3])  # the test looks for exactly this run's processes
 make_workdir = sandbox._new_workdir
@@ -342,7 +342,7 @@ def test_eval_expression_rejects_non_expressions_early(text, monkeypatch):
 _AS_NOBODY = r"""
 import json, socket, sys
 sys.path.insert(0, sys.argv[1])
-from train_td import sandbox
+from dinfer_jax.tasks import sandbox
 programs = json.loads(sys.argv[2])
 out = {"modes": list(sandbox.available_modes()), "errors": sandbox._probe_errors, "runs": {}}
 server = socket.socket()
