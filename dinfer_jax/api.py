@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import pathlib
 from typing import Any
@@ -11,10 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax import checkpoint
+from dinfer_jax import checkpoint, hf_quiet
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.model import params as params_lib
-from dinfer_jax.model import quant
+from dinfer_jax.model import params as params_lib, quant
 from dinfer_jax.model.transformer import forward as _forward
 from dinfer_jax.sharding import param_shardings, use_mesh
 
@@ -58,13 +58,11 @@ def load_tokenizer(path: pathlib.Path):
   present = [f for f in TOKENIZER_FILES if (path / f).exists()]
   if not present:
     return None
-  from dinfer_jax import hf_quiet
   transformers = hf_quiet.import_transformers()  # heavy import: only when a tokenizer is there
   try:
     with hf_quiet.errors_only():
       return transformers.AutoTokenizer.from_pretrained(str(path))
   except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise many types; the message names the file
-    import json
     for f in present:  # a file that is not even JSON is named as such
       if f.endswith(".json"):
         try:

@@ -6,21 +6,36 @@ import argparse
 import dataclasses
 import functools
 import importlib.metadata
+import json
 import sys
 import time
 from typing import Any, Callable, Sequence
 
-from dinfer_jax import cli_common
+import jax
+from tqdm import tqdm
+
+import dinfer_jax
+from dinfer_jax import cli_common, diagnostics, prompt_input
+from dinfer_jax.answer import cut_at_stop, with_token_cap
+from dinfer_jax.bench import cli as bench_cli
 from dinfer_jax.checkpoint import cli as checkpoint_cli
-from dinfer_jax.cli_common import (decode_tokens, encode_prompts, generation_config, knob_sources, render_steps,
-                                   step_records)
+from dinfer_jax.cli_common import (
+  decode_tokens,
+  encode_prompts,
+  generation_config,
+  knob_sources,
+  render_steps,
+  step_records,
+)
 from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.evaluation import cli as eval_cli
+from dinfer_jax.serve import cli as serve_cli
+from dinfer_jax.sharding import add_parallel_flags, setup_parallel
+
 
 def _print_answer(args: argparse.Namespace, model, prompts: Sequence[Any], r: int, res, i: int) -> int:
   """Prints prompt r's answer (row i of `res`) as --json/--show-steps ask; returns its token count."""
-  import json
 
-  from dinfer_jax.answer import cut_at_stop
   toks = res.tokens[i][:args.max_new_tokens] if args.max_new_tokens else res.tokens[i]
   # Surrounding whitespace (e.g. the default model's column padding, " 627") only blurs where an answer
   # starts: the same answer, stripped, in plain and JSON output; --show-steps shows the raw canvas.
@@ -46,19 +61,13 @@ def _print_answer(args: argparse.Namespace, model, prompts: Sequence[Any], r: in
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-  import jax
 
-  import dinfer_jax
-  from dinfer_jax import prompt_input
-  from dinfer_jax.answer import with_token_cap
-  from dinfer_jax.sharding import setup_parallel
   if args.batch_size <= 0:
     raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
   prompts = prompt_input.collect(args.prompts, args.file)
   mesh = setup_parallel(args)  # before any JAX computation (jax.distributed.initialize requires it)
   cli_common.use_compile_cache(args)
   model = dinfer_jax.load(args.model, dtype=args.dtype, mesh=mesh, quantize=args.quantize)
-  from dinfer_jax import diagnostics
   ids = encode_prompts(model, prompts, raw=args.raw, system=args.system)
   names = cli_common.trained_tasks(model)
   args.trained_task = None if names is None else cli_common.prompt_tasks(model, names, ids)
@@ -82,7 +91,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
   printer = jax.process_index() == 0
   progress = None
   if len(chunks) > 1 and not args.no_progress and printer:
-    from tqdm import tqdm
     progress = tqdm(total=len(ids), unit="prompt", file=sys.stderr, desc="generate")
   t = time.perf_counter()
   tokens_total, nfe_total = 0, 0
@@ -111,8 +119,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
   return 0
 
 
-def build_parser(model_defaults: dict[str, Any] | None = None) -> argparse.ArgumentParser:
-  import dinfer_jax
+def build_parser(model_defaults: dict[str, Any] | None = None, *, plugin_help: bool = False) -> argparse.ArgumentParser:
+  """The parser; plugin_help loads the plugin commands to show their own help lines (for --help only)."""
   ap = argparse.ArgumentParser(prog="dinfer-jax", description="Diffusion-LLM inference in JAX")
   ap.add_argument("--version", action="version", version=f"dinfer-jax {dinfer_jax.__version__}")
   # Read before parsing and handed to the subcommand (_hoist_model): `dinfer-jax --model default-td generate`.
@@ -142,20 +150,17 @@ def build_parser(model_defaults: dict[str, Any] | None = None) -> argparse.Argum
   g.add_argument("--show-steps", action="store_true", help="print the canvas after every forward")
   g.add_argument("-v", "--verbose", action="store_true")
   cli_common.add_generation_flags(g, model_defaults)
-  from dinfer_jax.sharding import add_parallel_flags
   add_parallel_flags(g)
   g.set_defaults(func=cmd_generate)
   try:
-    from dinfer_jax.bench import cli as bench_cli  # registered when the benchmark module is present
     bench_cli.register(sub, model_defaults)
   except ImportError:
     pass
-  from dinfer_jax.serve import cli as serve_cli  # imports FastAPI only when `serve` runs
   serve_cli.register(sub, model_defaults)
-  from dinfer_jax.evaluation import cli as eval_cli  # imports lm-eval only when `lm-eval` runs
   eval_cli.register(sub)
-  for name, cmd in delegated().items():  # listed in the help; main() hands their arguments over unparsed
-    sub.add_parser(name, help=cmd.help, add_help=False)
+  for name in delegated_names():  # listed in the help; main() hands their arguments over unparsed
+    text = delegated(name).help if plugin_help or name == "convert" else f"{_plugins()[name].module}'s command"
+    sub.add_parser(name, help=text, add_help=False)
   return ap
 
 
@@ -185,17 +190,26 @@ COMMAND_GROUP = "dinfer_jax.commands"
 
 
 @functools.cache
-def delegated() -> dict[str, Command]:
-  """convert, then the commands that installed packages register (entry point group COMMAND_GROUP); one that
-  cannot be loaded is left out with a warning."""
-  out = {"convert": CONVERT}
-  for ep in importlib.metadata.entry_points(group=COMMAND_GROUP):
-    try:
-      out.setdefault(ep.name, ep.load())
-    except Exception as e:  # noqa: BLE001 - a broken plugin must not take the other commands down
-      print(f"warning: the {ep.name!r} command ({ep.value}) cannot be loaded: {type(e).__name__}: {e}",
-            file=sys.stderr)
-  return out
+def _plugins() -> dict[str, importlib.metadata.EntryPoint]:
+  return {ep.name: ep for ep in importlib.metadata.entry_points(group=COMMAND_GROUP) if ep.name != "convert"}
+
+
+def delegated_names() -> tuple[str, ...]:
+  """convert and the commands installed packages register (entry point group COMMAND_GROUP), without
+  loading them (a plugin is imported only when its command runs, or for --help)."""
+  return ("convert", *_plugins())
+
+
+@functools.cache
+def delegated(name: str) -> Command:
+  """The delegated command `name`, its plugin loaded. A plugin that cannot be loaded is a one-line error."""
+  if name == "convert":
+    return CONVERT
+  ep = _plugins()[name]
+  try:
+    return ep.load()
+  except Exception as e:  # noqa: BLE001 - a broken plugin must not take the other commands down
+    raise SystemExit(f"error: the {name!r} command ({ep.value}) cannot be loaded: {type(e).__name__}: {e}") from None
 
 
 def _hoist_model(argv: list[str]) -> list[str]:
@@ -208,17 +222,16 @@ def _hoist_model(argv: list[str]) -> list[str]:
   if not lead or not argv or argv[0].startswith("-"):
     return lead + argv
   at = 1
-  cmd = delegated().get(argv[0]) if argv[0] not in ("generate",) else None
-  if cmd is not None and len(argv) > 1:
-    at = 2 if argv[1] in cmd.subcommands else 1
+  if argv[0] in delegated_names() and len(argv) > 1:
+    at = 2 if argv[1] in delegated(argv[0]).subcommands else 1
   return argv[:at] + lead + argv[at:]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   argv = _hoist_model(list(sys.argv[1:] if argv is None else argv))
-  if argv and argv[0] in delegated():
-    return delegated()[argv[0]].main(argv[1:], f"dinfer-jax {argv[0]}")
-  args = build_parser(cli_common.help_defaults(argv)).parse_args(argv)
+  if argv and argv[0] in delegated_names():
+    return delegated(argv[0]).main(argv[1:], f"dinfer-jax {argv[0]}")
+  args = build_parser(cli_common.help_defaults(argv), plugin_help=argv[:1] in (["-h"], ["--help"])).parse_args(argv)
   try:
     return args.func(args)
   except (ValueError, FileNotFoundError) as e:  # bad knobs, prompts or paths: one line, no traceback

@@ -14,7 +14,11 @@ import sys
 from typing import Any, Iterator, Sequence
 
 from dinfer_jax import decoders, tasks
+from dinfer_jax.api import resolve_path
+from dinfer_jax.checkpoint.errors import read_json_object
 from dinfer_jax.engine.config import CACHES, GenerationConfig
+from dinfer_jax.engine.programs import enable_disk_cache
+from dinfer_jax.model import quant
 
 DTYPES = ("float32", "bfloat16")
 # Weight formats a model can be quantised to on load (model/quant.py: QuantConfig.parse); the per-channel
@@ -34,7 +38,6 @@ def is_quantize_spec(s: str) -> bool:
 
 def quantize_spec(s: str) -> str:
   """argparse type of --quantize / --weights entries: a base format with model/quant.py's options."""
-  from dinfer_jax.model import quant
   try:
     ok = s.lower().split("+")[0] in _BASES and quant.QuantConfig.parse(s) is not None
   except ValueError as e:
@@ -65,7 +68,6 @@ def add_compile_cache_flag(ap: argparse.ArgumentParser) -> None:
 
 def use_compile_cache(args: argparse.Namespace) -> pathlib.Path | None:
   """Turns on the --compile-cache (before anything compiles); a directory that cannot be made is a warning."""
-  from dinfer_jax.engine.programs import enable_disk_cache
   where = getattr(args, "compile_cache", None)
   path = enable_disk_cache(where)
   if path is None and where != "off":
@@ -115,7 +117,6 @@ def read_generation_file(model_path: str | None) -> dict[str, Any]:
   f = pathlib.Path(model_path) / GENERATION_DEFAULTS_FILE
   if not f.exists():
     return {}
-  from dinfer_jax.checkpoint.errors import read_json_object
   return read_json_object(f, ValueError)
 
 
@@ -334,7 +335,6 @@ def help_defaults(argv: Sequence[str]) -> dict[str, Any]:
   if not any(a in ("-h", "--help") for a in argv):
     return {}
   try:
-    from dinfer_jax.api import resolve_path
     return model_generation_defaults(str(resolve_path(model_arg(argv))))
   except (OSError, ValueError):
     return {}

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax import api
+from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.config import GenerationConfig
 
 GIB = 2**30
@@ -74,7 +76,6 @@ def _weight_itemsize(model) -> int:
 def check_fits(model, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, *, available: int | None = None,
                source: str = "--gen-length") -> None:
   """Refuses a call whose canvas cannot fit, before anything is compiled, and says what gen_length fits."""
-  from dinfer_jax.engine import generate as gen_lib
   lay, _ = gen_lib.prepare(model.config, prompts, gcfg)
   rows, length = lay.canvas.shape
   avail = available_bytes() if available is None else available
@@ -134,7 +135,6 @@ def check_finite(model, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig
   Runs only for rows whose answer is empty (an ordinary answer costs nothing): one plain forward of that
   row's prompt followed by gen_length masks.
   """
-  from dinfer_jax import api
   empty = [r for r, t in enumerate(result.tokens) if not t]
   if not empty:
     return

@@ -13,7 +13,10 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dinfer_jax.model import quant
 
 MESH_AXES = ("data", "tensor", "expert")
 
@@ -122,7 +125,6 @@ def param_shardings(abstract_tree: Any, axes_tree: Any, mesh: Mesh) -> Any:
   """NamedSharding tree parallel to the params, from their shapes and logical axes. An 8-bit weight (a qwix
   QArray, model/quant.py) gets a QArray of shardings: its values split like the weight, its scales along the
   same axes where they have more than one entry (replicated where a mesh axis does not divide them)."""
-  from dinfer_jax.model import quant
 
   def one(a, ax):
     if quant.is_qarray(a):
@@ -161,7 +163,6 @@ def to_host(x: jax.Array) -> np.ndarray:
   """The full value of a (possibly multi-process) global array on every process."""
   if getattr(x, "is_fully_addressable", True):
     return np.asarray(x)
-  from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 

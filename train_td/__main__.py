@@ -19,10 +19,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pathlib
 import sys
 from typing import Sequence
 
+import jax
+
 from dinfer_jax.cli import Command
+from dinfer_jax.cli_common import DTYPES, QUANTIZE_CHOICES, add_generation_flags, add_model_flags, quantize_spec
+from dinfer_jax.model.params import count_params
+from dinfer_jax.sharding import add_parallel_flags, setup_parallel
+from dinfer_jax.tasks.sandbox import SandboxError
+from train_td import collect, distill, evaluate, export, td_train, trainer
+from train_td.objective import COMPUTE_DTYPES
+from train_td.trainer import TrainConfig
 
 
 def _positive_int(text: str) -> int:
@@ -62,8 +72,6 @@ def _parse_canvases(text: str) -> tuple[tuple[int, float], ...]:
 
 
 def _add_train(sub):
-  from train_td.objective import COMPUTE_DTYPES
-  from train_td.trainer import TrainConfig
   p = sub.add_parser("train", help="train (or resume) a run")
   p.add_argument("run_dir")
   p.add_argument("--resume", action="store_true", help="require a checkpoint to resume from "
@@ -99,7 +107,6 @@ def _add_train(sub):
   td.add_argument("--cf-weight", type=float, default=0.0, help="weight of the certainty-forcing entropy term")
   td.add_argument("--task-weights", default="", metavar="TASK=W,...", help="how often each task's trajectories "
                   "make a batch (default: in proportion to their number)")
-  from dinfer_jax.sharding import add_parallel_flags
   add_parallel_flags(p)
   p.set_defaults(func=cmd_train)
 
@@ -110,7 +117,6 @@ def _mix_text(mix) -> str:
 
 def train_config_fields(args) -> dict:
   """The TrainConfig fields a `train` command line gives, parsed (mix and canvases as tuples)."""
-  from train_td import trainer
   given = {f.name: getattr(args, f.name) for f in dataclasses.fields(trainer.TrainConfig) if hasattr(args, f.name)}
   if "mix" in given:
     given["mix"] = _parse_mix(given["mix"])
@@ -120,13 +126,9 @@ def train_config_fields(args) -> dict:
 
 
 def cmd_train(args) -> int:
-  import pathlib
 
-  import jax
 
-  from dinfer_jax.sharding import setup_parallel
   mesh = setup_parallel(args)  # before any JAX computation (jax.distributed.initialize requires it)
-  from train_td import trainer
   given = train_config_fields(args)
   if args.td:
     return cmd_train_td(args, given, mesh)
@@ -134,7 +136,6 @@ def cmd_train(args) -> int:
   # Resuming: unset flags come from the run's own config (trainer.train checks what was given against it).
   base = trainer.load_train_config(args.run_dir) if saved.exists() else trainer.TrainConfig()
   tc = dataclasses.replace(base, **given)
-  from dinfer_jax.model.params import count_params
   if jax.process_index() == 0:
     print(f"model: {tc.model_config()}", file=sys.stderr)
     print(f"params: {count_params(tc.model_config())}", file=sys.stderr)
@@ -147,9 +148,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_train_td(args, kw, mesh=None) -> int:
-  import jax
 
-  from train_td import td_train
   tdc = td_train.TDConfig(data=args.td, base=args.base, mdm_weight=args.mdm_weight, cf_weight=args.cf_weight,
                           task_weights=parse_task_weights(args.task_weights))
   for f in td_train.ARCH_FIELDS:
@@ -163,7 +162,6 @@ def cmd_train_td(args, kw, mesh=None) -> int:
 
 
 def _add_collect(sub):
-  from dinfer_jax.cli_common import add_generation_flags, add_model_flags
   p = sub.add_parser("collect", help="golden trajectories of a model on training prompts (Parquet shards)")
   add_model_flags(p)
   p.add_argument("--task", required=True)
@@ -173,14 +171,11 @@ def _add_collect(sub):
   p.add_argument("--seed", type=int, default=0, help="which training prompts")
   p.add_argument("--no-progress", action="store_true")
   add_generation_flags(p)  # knobs not given come from the model's generation_config.json (and its task rule)
-  from dinfer_jax.sharding import add_parallel_flags
   add_parallel_flags(p)
   p.set_defaults(func=cmd_collect)
 
 
 def cmd_collect(args) -> int:
-  from dinfer_jax.sharding import setup_parallel
-  from train_td import collect
   if args.mesh:
     raise ValueError("collect: --mesh is not used: each process runs its share of the batches on its own devices")
   setup_parallel(args)  # under jax.distributed each process collects its share and writes its own shards
@@ -216,7 +211,6 @@ def _add_distill(sub):
 
 
 def cmd_distill(args) -> int:
-  from train_td import distill
   args.task_weights = parse_task_weights(args.task_weights)
   return distill.main(args)
 
@@ -236,7 +230,6 @@ def _add_export(sub):
 
 
 def cmd_export(args) -> int:
-  from train_td import export
   try:
     gen = json.loads(args.generation_config) if args.generation_config else None
   except ValueError as e:
@@ -250,7 +243,6 @@ def cmd_export(args) -> int:
 
 
 def _add_eval(sub):
-  from dinfer_jax.cli_common import DTYPES, QUANTIZE_CHOICES, add_generation_flags, quantize_spec
   p = sub.add_parser("eval", help="accuracy, TPF and NFE on held-out problems")
   p.add_argument("--model", default="default", help="model directory or name; several comma-separated are "
                  "compared with the same generation settings (the first model's generation_config.json)")
@@ -268,7 +260,6 @@ def _add_eval(sub):
 
 
 def cmd_eval(args) -> int:
-  from train_td import evaluate
   return evaluate.main(args)
 
 
@@ -288,7 +279,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m train_td") ->
   """Runs the train_td CLI on `argv` (default sys.argv[1:]); returns the exit status. `prog` names the
   command in usage and error lines (e.g. "dinfer-jax train" when another CLI delegates here)."""
   args = build_parser(prog).parse_args(argv)
-  from dinfer_jax.tasks.sandbox import SandboxError
   try:
     return args.func(args)
   except (ValueError, OSError, SandboxError) as e:  # bad flags, paths, configs, checkpoints: no traceback

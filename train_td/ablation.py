@@ -16,6 +16,11 @@ import json
 import pathlib
 import sys
 
+import dinfer_jax
+from dinfer_jax import tasks as tasks_lib
+from dinfer_jax.cli_common import read_generation_file
+from train_td import evaluate, export, td_train
+
 VARIANTS = (("transition", 0.0, 0.0), ("transition+mdm", 0.5, 0.0), ("transition+mdm+cf", 0.5, 0.5))
 
 
@@ -37,10 +42,6 @@ def main(argv=None) -> int:
   ap.add_argument("--no-progress", action="store_true")
   a = ap.parse_args(argv)
 
-  import dinfer_jax
-  from dinfer_jax.cli_common import read_generation_file
-  from train_td import evaluate, export, td_train
-  from dinfer_jax import tasks as tasks_lib
   known = {v[0]: v for v in VARIANTS}
   chosen = [known[v] for v in a.variants.split(",")] if all(v in known for v in a.variants.split(",")) else None
   if chosen is None:

@@ -18,10 +18,8 @@ import datetime
 import sys
 
 import dinfer_jax
-from train_td import data as data_lib
-from train_td import distill
-from train_td import evaluate
 from dinfer_jax import tasks as tasks_lib
+from train_td import data as data_lib, distill, evaluate
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -25,11 +25,14 @@ import os
 import pathlib
 from typing import Any
 
-from dinfer_jax.engine.config import GenerationConfig
-from train_td import evaluate
-from train_td import prompting
+import jax
+from tqdm.auto import tqdm
+
+import dinfer_jax
 from dinfer_jax import tasks as tasks_lib
-from train_td import td_data
+from dinfer_jax.engine.config import GenerationConfig
+from train_td import evaluate, prompting, td_data
+from train_td.trainer import check_own_dir
 
 CONFIG = "collect_config.json"
 
@@ -96,7 +99,6 @@ def _write_shard(path: pathlib.Path, records: dict[str, list], meta: dict[str, A
 
 
 def _prepare_dir(cc: CollectConfig, out: pathlib.Path) -> None:
-  from train_td.trainer import check_own_dir
   check_own_dir(out, (CONFIG,), "collect directory")
   out.mkdir(parents=True, exist_ok=True)
   f = out / CONFIG
@@ -136,8 +138,6 @@ def collect(model, cc: CollectConfig, out: os.PathLike, *, progress: bool = True
     stop_after: stop after generating this many batches in this call (tests of resuming).
     process_index, process_count: this process's share of the batches (jax.distributed).
   """
-  from tqdm.auto import tqdm
-  import dinfer_jax
   out = pathlib.Path(out)
   # All n prompts up front: cheap, and a request for more distinct problems than the split holds fails
   # here, before the directory is made or anything generated.
@@ -190,11 +190,8 @@ def collect(model, cc: CollectConfig, out: os.PathLike, *, progress: bool = True
 
 
 def main(args) -> int:
-  import jax
-  import dinfer_jax
   # Refusals come before the model is loaded (seconds).
   training_problems(args.task, args.n, args.seed)
-  from train_td.trainer import check_own_dir
   check_own_dir(pathlib.Path(args.out), (CONFIG,), "collect directory")
   model = dinfer_jax.load(args.model, dtype=args.dtype)
   gcfg = evaluate.task_generation_config(args, model.path, args.task, model.tokenizer, split="train",

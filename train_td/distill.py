@@ -15,10 +15,17 @@ The flags' defaults are the shipped default-td's recipe.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
 
+import jax
+
+import dinfer_jax
+from dinfer_jax import tasks as tasks_lib
+from dinfer_jax.cli_common import PROMPT_RULES, generation_knobs, read_generation_file
+from train_td import collect, evaluate, export, td_train
 
 
 def parse_counts(spec: str, tasks: list[str]) -> dict[str, int]:
@@ -35,11 +42,6 @@ def parse_counts(spec: str, tasks: list[str]) -> dict[str, int]:
 
 
 def main(args) -> int:
-  import dataclasses
-  import jax
-  import dinfer_jax
-  from dinfer_jax.cli_common import PROMPT_RULES, generation_knobs, read_generation_file
-  from train_td import collect, evaluate, export, tasks as tasks_lib, td_train
   tasks = [t for t in args.tasks.split(",") if t]
   for t in tasks:
     tasks_lib.get_task(t)

@@ -17,11 +17,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+import dinfer_jax
+from dinfer_jax import api, diagnostics, tasks as tasks_lib
+from dinfer_jax.cli_common import generation_config, knob_sources
 from dinfer_jax.engine.config import GenerationConfig
-from train_td import data as data_lib
-from train_td import prompting
-from dinfer_jax import tasks as tasks_lib
-from train_td import tokenizer as tok_lib
+from train_td import data as data_lib, prompting, tokenizer as tok_lib
+
 
 def decode(ids: Sequence[int], tokenizer=None) -> str:
   if tokenizer is not None:
@@ -34,7 +35,6 @@ def decode(ids: Sequence[int], tokenizer=None) -> str:
 def evaluate(model, task: str, n: int, gcfg: GenerationConfig, *, seed: int = 0, batch: int = 64,
              tokenizer=None, problems=None, warmup: bool = True) -> dict[str, Any]:
   """Accuracy and decoding statistics of `model` ((params, cfg) or a dinfer_jax Model) on held-out problems."""
-  import dinfer_jax
   task_obj = tasks_lib.get_task(task)
   problems = list(problems) if problems is not None else tasks_lib.test_problems(task, n, seed)
   if tokenizer is None:
@@ -83,11 +83,9 @@ def task_generation_config(args, model_path: str | None, task: str, tokenizer=No
   """Dataclass < the model's generation_config.json (and its prompt rule for the task's prompts, e.g. a
   longer gen_length for sort) < flags. `tokenizer`: the model's (read from model_path when a
   natural-language task needs it and none is given)."""
-  from dinfer_jax.cli_common import generation_config
   task_obj = tasks_lib.get_task(task)
   probe = next(tasks_lib.iter_problems(task_obj, split, seed))
   if tokenizer is None and task_obj.chat:
-    from dinfer_jax import api
     tokenizer = api.load_tokenizer(api.resolve_path(model_path))
   return generation_config(args, model_path, prompting.prompt_text(tokenizer, task_obj, probe, model_path))
 
@@ -95,9 +93,6 @@ def task_generation_config(args, model_path: str | None, task: str, tokenizer=No
 def main(args) -> int:
   """Evaluates each model on each task. With several models, every model decodes with the settings of
   the first one (its generation_config.json + flags): the comparison of base and TD at equal settings."""
-  import dinfer_jax
-  from dinfer_jax import diagnostics
-  from dinfer_jax.cli_common import knob_sources
   names = [m for m in args.model.split(",") if m]
   task_names = [t for t in args.task.split(",") if t]
   for t in task_names:

@@ -15,12 +15,14 @@ import tempfile
 from typing import Any, Mapping
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from dinfer_jax import api, checkpoint
 from dinfer_jax.checkpoint import outdir
 from dinfer_jax.config import ModelConfig
-from train_td import tokenizer as tok_lib
+from dinfer_jax.tasks import get_task
+from train_td import tokenizer as tok_lib, trainer
 
 # GenerationConfig knobs the shipped model is meant to be decoded with. gen_length is the training answer
 # region (TrainConfig.answer_len, 8; export_run follows a run's own): the model has only learned to fill that
@@ -95,7 +97,6 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
 
   An existing `out` is replaced only as check_out allows: `--out .` never empties the working directory.
   """
-  import ml_dtypes
   np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
   if like is not None:
     like_cfg, hf = api.load_config(like)
@@ -136,7 +137,6 @@ def run_generation_config(tc) -> dict[str, Any]:
   if rules:
     gen["prompt_rules"] = rules
   # The built-in tasks it learned: `dinfer-jax generate` warns about a prompt outside all of them.
-  from dinfer_jax.tasks import get_task
   gen["trained_tasks"] = [name for name, w in tc.mix if w > 0 and not get_task(name).chat]
   return gen
 
@@ -145,7 +145,6 @@ def export_run(run_dir: os.PathLike, out: os.PathLike, *, step: int | None = Non
                generation_config: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
   """Exports a run's checkpoint (latest unless `step`) to `out` (see export_params for `overwrite`); a run
   with arch_from (a TD run) in its model's format, with its tokenizer and generation defaults."""
-  from train_td import trainer
   tc = trainer.load_train_config(run_dir)
   if generation_config is None and not tc.arch_from:
     generation_config = run_generation_config(tc)

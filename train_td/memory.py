@@ -26,8 +26,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dinfer_jax import sharding
+from dinfer_jax.bench.mesh_compile import topology_mesh
+from dinfer_jax.bench.roofline import deviceless_tokamax
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.model import params as params_lib
+from dinfer_jax.model import moe, params as params_lib
 from train_td import objective, parallel, trainer
 
 HBM_GIB = 141.0  # H200 HBM3e (the 150.75e9 bytes the compile target describes, ~140.4 GiB usable)
@@ -60,8 +62,6 @@ def compile_td_step(cfg: ModelConfig, mesh, batch: int, seq: int, *, remat: bool
   b_sh = jax.tree_util.tree_map(lambda _: rows, batch_arrays)
   jitted = jax.jit(step, in_shardings=(p_sh, o_sh, b_sh, repl), out_shardings=(p_sh, o_sh, repl),
                    donate_argnums=(0, 1))
-  from dinfer_jax.bench.roofline import deviceless_tokamax
-  from dinfer_jax.model import moe
   # Kernel choices as on the GPU: the routed experts through tokamax's Triton grouped GEMM when installed
   # (XLA's own ragged_dot lowering on GPU computes every expert densely).
   with sharding.use_mesh(mesh), moe.target_backend(target), deviceless_tokamax(target == "gpu"):
@@ -86,7 +86,6 @@ def main(argv=None) -> int:
   ap.add_argument("--options", default="plain,remat,remat+bf16", help=f"comma-separated of {list(OPTIONS)}")
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)
-  from dinfer_jax.bench.mesh_compile import topology_mesh
   cfg = ModelConfig.llada_moe_7b_a1b()
   opts = [o for o in args.options.split(",") if o]
   for o in opts:

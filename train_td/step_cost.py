@@ -15,12 +15,13 @@ import json
 import sys
 import time
 
+import jax
+import numpy as np
+
+from train_td import data as data_lib, trainer
+
 
 def measure(tc, rounds: int = 6) -> dict[str, float]:
-  import jax
-  import numpy as np
-  from train_td import data as data_lib
-  from train_td import trainer
   dc = tc.data_config()
   step = trainer._default_step(tc)
   params, opt_state = trainer.init_state(tc)
@@ -39,7 +40,6 @@ def measure(tc, rounds: int = 6) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-  from train_td import trainer
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--mix", required=True, help="e.g. arithmetic=0.58,program=0.32,sort=0.10")
   ap.add_argument("--batch-size", type=int, default=128)

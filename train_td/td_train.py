@@ -18,6 +18,7 @@ import os
 import pathlib
 from typing import Any
 
+import dinfer_jax
 from dinfer_jax.model import params as params_lib
 from train_td import objective, td_data, trainer
 
@@ -67,7 +68,6 @@ def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, pr
           stop_at: int | None = None, mesh=None, **train_overrides) -> dict[str, Any]:
   """Runs (or resumes) a TD run; `train_overrides` are TrainConfig fields (steps, lr, batch_size, ...);
   `mesh`: the sharded step of trainer.train (data parallel + the model's tensor/expert sharding)."""
-  import dinfer_jax
   base = dinfer_jax.load(tdc.base)
   tc = trainer.TrainConfig(**train_overrides, arch_from=tdc.base)
   # Bad data or weights fail before anything is written.

@@ -25,13 +25,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
 
-from dinfer_jax import sharding
+import dinfer_jax
+from dinfer_jax import api, sharding
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import params as params_lib
-from train_td import data as data_lib
-from train_td import objective
-from train_td import tokenizer as tok_lib
+from train_td import data as data_lib, objective, parallel, tokenizer as tok_lib
 
 TRAIN_CONFIG = "train_config.json"
 # The TrainConfig fields that shape train_td's own model; a run with `arch_from` has its model's instead.
@@ -163,7 +164,6 @@ def model_config_from(tc: TrainConfig) -> ModelConfig:
   if tc.moe_impl not in ("dense", "ragged"):
     raise ValueError(f"moe_impl must be 'dense' or 'ragged', got {tc.moe_impl!r}")
   if tc.arch_from:
-    from dinfer_jax import api
     # The loss picks its MoE kernel from tc.moe_impl; the config's is the exported model's business.
     return dataclasses.replace(api.load_config(tc.arch_from)[0], moe_impl="dense")
   if tc.d_model % tc.n_heads:
@@ -221,7 +221,6 @@ def make_train_step(loss_fn: objective.LossFn, optimizer: optax.GradientTransfor
   step = step_function(loss_fn, optimizer)
   if mesh is None:
     return jax.jit(step, donate_argnums=(0, 1))
-  from train_td import parallel
   if cfg is None:
     raise ValueError("make_train_step: a mesh needs the model config (cfg=) to shard the params")
   return parallel.ShardedStep(step, cfg, optimizer, mesh)
@@ -245,7 +244,6 @@ def init_state(tc: TrainConfig, optimizer=None):
 
 
 def _manager(run_dir: pathlib.Path, tc: TrainConfig):
-  import orbax.checkpoint as ocp
   return ocp.CheckpointManager(
       (run_dir / CHECKPOINTS).absolute(),
       options=ocp.CheckpointManagerOptions(max_to_keep=tc.keep_checkpoints, create=True,
@@ -257,7 +255,6 @@ def _init_from_params(tc: TrainConfig) -> Any:
   architecture is tc's (checked before the run directory is touched)."""
   if latest_step(tc.init_from) is not None:
     return restore(tc.init_from)[0]
-  import dinfer_jax
   try:
     model = dinfer_jax.load(tc.init_from, dtype="float32")
   except (OSError, ValueError) as e:
@@ -283,7 +280,6 @@ def restore(run_dir: os.PathLike, tc: TrainConfig | None = None, step: int | Non
   """(params, opt_state, step) from a run directory's checkpoint (latest unless `step`).
   shardings: (params, opt_state) sharding trees to restore onto (a mesh run's, train_td.parallel);
   default: the first local device, whatever topology the checkpoint was saved from."""
-  import orbax.checkpoint as ocp
   run_dir = pathlib.Path(run_dir)
   tc = tc or load_train_config(run_dir)
   step = latest_step(run_dir) if step is None else step
@@ -406,8 +402,6 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   Returns:
     {"params", "step", "last_metrics", "seconds"}.
   """
-  import orbax.checkpoint as ocp
-  from tqdm.auto import tqdm
 
   # Everything that can be refused is refused before anything is written to the run directory.
   tc.model_config()

@@ -3,17 +3,25 @@ the LLaDA / Fast-dLLM baselines (see dinfer_jax.bench.throughput)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import platform
 import sys
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from dinfer_jax.bench import presets, throughput
+import dinfer_jax
+from dinfer_jax import api, cli_common
+from dinfer_jax.bench import presets, server, throughput
 from dinfer_jax.bench.metrics import ratio
+from dinfer_jax.model import params as params_lib
+from dinfer_jax.sharding import use_mesh
 
 COLUMNS = (("per-seq TPS", "per_seq_tps_mean", "{:.1f}"), ("aggregate TPS", "aggregate_tps", "{:.1f}"),
            ("TPF", "tpf", "{:.2f}"), ("forwards/s", "fps", "{:.1f}"), ("NFE", "nfe", "{:d}"),
@@ -27,7 +35,6 @@ LABELS = {"engine": "(a) engine (jitted loop)", "stepped": "(b) Python-stepped, 
 
 def register(subparsers, model_defaults=None) -> None:
   """Adds `bench`; `model_defaults` (the --model's generation_config.json knobs) are shown in its help."""
-  from dinfer_jax import cli_common
   b = subparsers.add_parser("bench", help="throughput: jitted engine vs Python-stepped loop vs baselines",
                             description=__doc__)
   cli_common.add_model_flags(b, dtype=False)
@@ -69,7 +76,6 @@ def register(subparsers, model_defaults=None) -> None:
 
 
 def load_prompts(model, path: str | None, gcfg) -> list[list[int]]:
-  from dinfer_jax import cli_common
   if path is None:
     if model.tokenizer is not None:
       return cli_common.encode_prompts(model, list(throughput.TEXT_PROMPTS))
@@ -87,11 +93,7 @@ def load_prompts(model, path: str | None, gcfg) -> list[list[int]]:
 def preset_model(args: argparse.Namespace):
   """A preset's random-weight model, its generation shape (flags still override) and 4 token prompts of the
   preset's prompt length."""
-  import jax
-  import jax.numpy as jnp
 
-  from dinfer_jax import api, cli_common
-  from dinfer_jax.model import params as params_lib
   pr = presets.get(args.preset)
   cfg = pr.model()
   params = params_lib.init_params(cfg, jax.random.PRNGKey(0), jnp.dtype(args.dtype))
@@ -107,9 +109,7 @@ def preset_model(args: argparse.Namespace):
 
 
 def machine_info() -> dict[str, Any]:
-  import os
 
-  import jax
   cpu = platform.processor() or ""
   try:
     for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -161,7 +161,6 @@ def summary(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def cmd_bench_server(args: argparse.Namespace) -> int:
-  from dinfer_jax.bench import server
   if args.arrival is None and args.rate is not None:
     raise ValueError("--rate needs --arrival poisson")
   if args.arrival is not None:
@@ -191,8 +190,6 @@ def cmd_bench_server(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
   if args.server:
     return cmd_bench_server(args)
-  import dinfer_jax
-  from dinfer_jax import cli_common
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]
   bad = [v for v in variants if v not in throughput.VARIANTS]
   if bad:
@@ -208,7 +205,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise ValueError("bench: temperature must be 0 (the Python-stepped loop is greedy)")
   if not args.preset or args.prompts:
     prompts = load_prompts(model, args.prompts, gcfg)
-  from dinfer_jax.sharding import use_mesh
   with use_mesh(model.mesh):
     results = throughput.run_side_by_side(model.params, model.config, prompts, gcfg, batch_size=args.batch_size,
                                           repeats=args.repeats, variants=variants, overhead_k=args.overhead_k,
@@ -229,5 +225,4 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _jsonable(gcfg) -> dict[str, Any]:
-  import dataclasses
   return dataclasses.asdict(gcfg)

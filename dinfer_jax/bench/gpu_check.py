@@ -41,15 +41,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from dinfer_jax.bench import presets, realistic, roofline
+from dinfer_jax.bench.throughput import _best_time, forward_programs
+from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
 from dinfer_jax.config import MOE_IMPLS, ModelConfig
-from dinfer_jax.engine import generate as gen_lib
+from dinfer_jax.engine import generate as gen_lib, loop
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.model import grouped_gemm, moe
-from dinfer_jax.model import params as params_lib
-from dinfer_jax.model import quant
+from dinfer_jax.engine.stepped import JitRunner, stepped_generate
+from dinfer_jax.model import grouped_gemm, moe, params as params_lib, quant
 
 DINFER_TPF = roofline.DINFER_TPF
 PREDICTED_DIR = pathlib.Path(__file__).parent / "predicted"
@@ -64,7 +66,6 @@ def init_on_device(cfg: ModelConfig, dtype, seed: int = 0):
 
 
 def environment(allow_cpu: bool) -> dict[str, Any]:
-  import jaxlib
   dev = jax.devices()[0]
   env = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
          "device": dev.device_kind, "devices": len(jax.devices()), "python": sys.version.split()[0]}
@@ -102,7 +103,6 @@ def _prompts(cfg: ModelConfig, batch: int, length: int) -> list[list[int]]:
 def time_forwards(params, cfg, gcfg, lay, prog, reps: int) -> dict[str, dict[str, Any]]:
   """Per forward kind: compile once, then time it alone as the engine's loop runs it: a cached forward takes
   the cache donated and returns it (its K/V writes in place), and the next call takes what it returned."""
-  from dinfer_jax.bench.throughput import _best_time, forward_programs
   out = {}
   for kind, (f, args) in forward_programs(cfg, gcfg, lay, prog, table=params["embed"], cache_out=True).items():
     cached = kind.startswith("cached")
@@ -143,7 +143,6 @@ def time_generate(params, cfg, prompts, gcfg, repeats: int) -> dict[str, Any]:
 
 def time_stepped(params, cfg, prompt, gcfg) -> dict[str, Any]:
   """The same generation driven step by step from Python (engine.stepped with a JitRunner)."""
-  from dinfer_jax.engine.stepped import JitRunner, stepped_generate
   runner = JitRunner()
   t = time.perf_counter()
   stepped_generate(params, cfg, prompt, gcfg, runner=runner)
@@ -327,7 +326,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   def host_loop_item():
     """generate_b1_threshold again with the host-driven loop (DINFER_JAX_DEVICE_LOOP=0: one predicate read per
     step instead of CUDA-graph conditional nodes): what the device loop is worth, or whether it runs at all."""
-    from dinfer_jax.engine import loop
     saved = os.environ.get("DINFER_JAX_DEVICE_LOOP")
     os.environ["DINFER_JAX_DEVICE_LOOP"] = "0"
     loop.run_jit.cache_clear()
@@ -460,7 +458,6 @@ def main(argv=None) -> int:
   if not set(args.batches) <= {1, 8} or 1 not in args.batches:
     raise SystemExit(f"--batches {args.batches}: expected 1 or 1,8")
   args.weights = [w.strip() for w in args.weights.split(",") if w.strip()]
-  from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
   bad = [w for w in args.weights if w != "bf16" and not is_quantize_spec(w)]
   if bad or not args.weights:
     raise SystemExit(f"--weights {bad}: choose from bf16, {', '.join(QUANTIZE_CHOICES)}")

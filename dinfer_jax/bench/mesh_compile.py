@@ -31,33 +31,23 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.lib import _jax
+from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dinfer_jax import sharding
+from dinfer_jax import hardware, sharding
+from dinfer_jax.bench.roofline import target_config
 from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import params as params_lib
 from dinfer_jax.model.transformer import forward
 
-# Facts of the chip (NVIDIA H200 SXM): the compile target and the roofline constants.
-H200_TARGET = """
-gpu_device_info {
-  threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472  threads_per_core_limit: 2048  core_count: 132  fpus_per_core: 128
-  block_dim_limit_x: 2147483647  block_dim_limit_y: 65535  block_dim_limit_z: 65535
-  memory_bandwidth: 4800000000000  l2_cache_size: 52428800  clock_rate_ghz: 1.98
-  device_memory_size: 150754820096  shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 }
-  registers_per_core_limit: 65536  registers_per_block_limit: 65536
-}
-platform_name: "CUDA"
-dnn_version_info { major: 9 minor: 8 }
-runtime_version { major: 12 minor: 8 patch: 0 }
-device_description_str: "NVIDIA H200"
-"""
-HBM_BW = 4.8e12  # bytes/s
-PEAK_BF16 = 990e12  # dense FLOP/s
-NVLINK_BW = 450e9  # bytes/s per direction per GPU (NVLink 4: 900 GB/s bidirectional)
+# The chip (hardware table): the compile target and the roofline constants.
+CHIP = hardware.CHIPS["h200"]
+H200_TARGET = target_config(CHIP)
+HBM_BW = CHIP.hbm_bytes_per_s  # bytes/s
+PEAK_BF16 = CHIP.bf16_flops  # dense FLOP/s
+NVLINK_BW = CHIP.nvlink_bytes_per_s  # bytes/s per direction per GPU (NVLink 4: 900 GB/s bidirectional)
 COLLECTIVE_LATENCY = 8e-6  # s per collective launch + sync (typical NCCL small-message latency in a node)
 
 # dInfer's LLaDA-MoE setting behind 681 TPS (8xH800, TP=8, batch 1): threshold 0.8 + smoothing + vicinity,
@@ -72,7 +62,6 @@ _DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s
 
 def topology_mesh(layout: dict[str, int]):
   """A (data, tensor, expert) mesh over 8 described H200s (no devices needed)."""
-  from jax.experimental import topologies
   n = math.prod(layout.values())
   topo = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology=f"1x1x{n}")
   shape = tuple(layout.get(a, 1) for a in sharding.MESH_AXES)
@@ -170,7 +159,6 @@ def compile_forward(cfg: ModelConfig, mesh, batch: int, kind: str, moe_impl: str
 
 
 def analyse(compiled, n_devices: int) -> dict:
-  from jax._src.lib import _jax
   module = compiled.runtime_executable().hlo_modules()[0]
   cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
   mem = compiled.memory_analysis()

@@ -40,12 +40,13 @@ from typing import Any
 
 import numpy as np
 
+from dinfer_jax import hardware
 from dinfer_jax.model import grouped_gemm, moe
 
 
 @dataclasses.dataclass(frozen=True)
 class Charges:
-  """Per-chip costs of the realistic model. Defaults: the H200 (measured peaks, gpu_roofline.md)."""
+  """Per-chip costs of the realistic model (charges_for: from the hardware table). Defaults: the H200's."""
   hbm_bytes_per_s: float = 4.3e12
   bf16_flops: float = 790e12
   eight_bit_flops: float = 1580e12  # FP8 / int8 x 8-bit operands (2x bf16, as the spec; not measured)
@@ -68,9 +69,15 @@ class Charges:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be >= 0")
 
 
-H200 = Charges()
-H100 = dataclasses.replace(H200, hbm_bytes_per_s=3.0e12, bf16_flops=750e12, eight_bit_flops=1500e12)  # ~90% / ~76% of spec, as the H200
-CHARGES = {"h200": H200, "h100": H100}
+def charges_for(chip: hardware.Chip, **kw) -> Charges:
+  """The realistic model's charges on a chip of the hardware table (its achievable rates and wave size)."""
+  return Charges(hbm_bytes_per_s=chip.copy_bytes_per_s, bf16_flops=chip.gemm_flops,
+                 eight_bit_flops=chip.eight_bit_flops, empty_wave_us=1e6 * chip.empty_wave_s,
+                 resident_blocks=chip.resident_blocks, **kw)
+
+
+CHARGES = {key: charges_for(chip) for key, chip in hardware.CHIPS.items()}
+H200, H100 = CHARGES["h200"], CHARGES["h100"]
 
 # Instructions that launch nothing (views, tuples, constants) or that are control flow (counted apart).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",

@@ -38,27 +38,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.lib import _jax
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxlib import _hlo
 
-from dinfer_jax.bench import presets
-from dinfer_jax.bench import realistic
+from dinfer_jax import hardware
+from dinfer_jax.bench import presets, realistic
 from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward
 from dinfer_jax.bench.throughput import cached_kind, forward_programs
 from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
-from dinfer_jax.engine import generate as gen_lib
-from dinfer_jax.engine import iteration
-from dinfer_jax.engine import loop
+from dinfer_jax.engine import generate as gen_lib, iteration, loop
+from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.loop import decode_rows, init_rows
 from dinfer_jax.engine.program import Knobs
-from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.model import moe
-from dinfer_jax.model import params as params_lib
-from dinfer_jax.model import quant
+from dinfer_jax.model import moe, params as params_lib, quant
 
 DINFER_TPF = 3.87  # dInfer, LLaDA-MoE, threshold 0.8 + smoothing + vicinity, dual cache (paper Table 1)
 
 _GPU_INFO = """gpu_device_info {{
   threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
-  shared_memory_per_core: 233472  threads_per_core_limit: 2048  core_count: 132  fpus_per_core: 128
+  shared_memory_per_core: 233472  threads_per_core_limit: 2048  core_count: {sms}  fpus_per_core: 128
   block_dim_limit_x: 2147483647  block_dim_limit_y: 65535  block_dim_limit_z: 65535
   memory_bandwidth: {bw}  l2_cache_size: {l2}  clock_rate_ghz: 1.98
   device_memory_size: {mem}  shared_memory_per_block_optin: 232448
@@ -72,25 +72,18 @@ device_description_str: "{name}"
 """
 
 
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  name: str
-  hbm_bytes_per_s: float
-  bf16_flops: float
-  l2_bytes: int
-  memory_bytes: int
-
-  def target_config(self) -> str:
-    return _GPU_INFO.format(bw=int(self.hbm_bytes_per_s), l2=self.l2_bytes, mem=self.memory_bytes, name=self.name)
-
-  def roofline_s(self, flops: float, nbytes: float) -> float:
-    return max(nbytes / self.hbm_bytes_per_s, flops / self.bf16_flops)
+def target_config(chip: hardware.Chip) -> str:
+  """The chip as XLA's GpuTargetConfig (a deviceless compile for it)."""
+  return _GPU_INFO.format(bw=int(chip.hbm_bytes_per_s), l2=chip.l2_bytes, mem=chip.memory_bytes, name=chip.name,
+                          sms=chip.sms)
 
 
-CHIPS = {
-    "h200": Chip("NVIDIA H200", 4.8e12, 990e12, 52428800, 150754820096),
-    "h100": Chip("NVIDIA H100 80GB HBM3", 3.35e12, 990e12, 52428800, 85520809984),
-}
+def roofline_s(chip: hardware.Chip, flops: float, nbytes: float) -> float:
+  """The ideal time at the spec peaks."""
+  return max(nbytes / chip.hbm_bytes_per_s, flops / chip.bf16_flops)
+
+
+CHIPS = hardware.CHIPS
 
 
 def cuda_plugin_available() -> bool:
@@ -106,7 +99,7 @@ def cuda_plugin_available() -> bool:
 class Target:
   """Where to compile: abstract inputs carry the target's sharding; kernel choices are traced for it."""
 
-  def __init__(self, kind: str, chip: Chip):
+  def __init__(self, kind: str, chip: hardware.Chip):
     if kind not in ("cuda", "cpu"):
       raise ValueError(f"--target {kind!r}: choose cuda or cpu")
     self.kind, self.chip = kind, chip
@@ -114,9 +107,7 @@ class Target:
     if kind == "cuda":
       if not cuda_plugin_available():
         raise ValueError("--target cuda needs the CUDA plugin: pip install 'jax[cuda12]' (or use --target cpu)")
-      from jax.experimental import topologies
-      from jax.sharding import NamedSharding, PartitionSpec
-      topo = topologies.get_topology_desc(platform="cuda", target_config=chip.target_config(), topology="1x1x1")
+      topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(chip), topology="1x1x1")
       mesh = topologies.make_mesh(topo, (1,), ("x",))
       self.sharding = NamedSharding(mesh, PartitionSpec())
 
@@ -134,7 +125,7 @@ class Target:
     return jax.tree_util.tree_map(one, tree)
 
   def compile(self, fn, *args, donate=(), options: dict | None = None):
-    with moe.target_backend(self.backend), deviceless_tokamax(self.kind == "cuda"):
+    with moe.target_backend(self.backend), hardware.target(self.chip.key), deviceless_tokamax(self.kind == "cuda"):
       t = time.perf_counter()
       jf = jax.jit(fn, donate_argnums=donate if self.kind == "cuda" else (),
                    compiler_options=options or None)
@@ -199,7 +190,6 @@ class ModuleCost:
   known trip count (the generate program's data-dependent loops) counts once and is listed as unknown."""
 
   def __init__(self, hlo_text: str):
-    from jaxlib import _hlo
     self._from_text = _hlo.hlo_module_from_text
     self._client = jax.devices("cpu")[0].client
     self.lines = hlo_text.splitlines()
@@ -239,7 +229,6 @@ class ModuleCost:
         if i == self.comps[comp][0]:
           line = "ENTRY " + line
         lines.append(line)
-      from jax._src.lib import _jax
       c = _jax.hlo_module_cost_analysis(self._client, self._from_text("\n".join(lines)))
       self._flat[comp] = {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))}
     return self._flat[comp]
@@ -408,8 +397,8 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
         "weights": weights, "kind": "refresh" if (kind == "full" and cache != "none") else kind, "tokens": tokens, "kv_len": kv_len,
         "moe_impl": impl, "flops": cost["flops"], "bytes": cost["bytes"], **memory(compiled),
         "floor_bytes": floor_bytes, "bytes_over_floor": cost["bytes"] / floor_bytes, "routed_flops": routed,
-        "flops_over_routed": cost["flops"] / routed, "roofline_ms": 1e3 * target.chip.roofline_s(cost["flops"], cost["bytes"]),
-        "floor_ms": 1e3 * target.chip.roofline_s(routed, floor_bytes), "unknown_trip_loops": mc.unknown_trip_loops,
+        "flops_over_routed": cost["flops"] / routed, "roofline_ms": 1e3 * roofline_s(target.chip, cost["flops"], cost["bytes"]),
+        "floor_ms": 1e3 * roofline_s(target.chip, routed, floor_bytes), "unknown_trip_loops": mc.unknown_trip_loops,
         "host_ops": mc.host_ops, "kernel_calls": mc.kernel_calls, "compile_s": compile_s, "setting": setting,
         "realistic_ms": 1e3 * real["realistic_s"], "step_ms": 1e3 * step["realistic_s"],
         "step_kernels": step["kernels"], **{k: v for k, v in real.items() if k != "realistic_s"},

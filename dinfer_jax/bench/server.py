@@ -9,10 +9,13 @@ import json
 import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any, Sequence
 
 import numpy as np
+
+from dinfer_jax.serve.cli import is_loopback
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
@@ -41,9 +44,7 @@ def scrape(base: str) -> dict[str, float]:
 
 
 def _loopback(base: str) -> bool:
-  import urllib.parse
 
-  from dinfer_jax.serve.cli import is_loopback
   return is_loopback(urllib.parse.urlsplit(base).hostname or "")
 
 

@@ -13,8 +13,11 @@ import sys
 import time
 from typing import Any
 
-from dinfer_jax.bench import cli as bench_cli
-from dinfer_jax.bench import throughput
+import numpy as np
+
+import dinfer_jax
+from dinfer_jax import cli_common
+from dinfer_jax.bench import cli as bench_cli, throughput
 from dinfer_jax.bench.metrics import ratio
 
 DECODERS = {"threshold": {}, "hierarchy": {}, "credit": {}}
@@ -68,7 +71,6 @@ def plot(res: dict[str, Any], path: str, title: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import numpy as np
 
   labels = [f"{r['decoder']}\n{r['cache']}" for r in res["rows"]]
   eng = [r["engine"]["per_seq_tps_mean"] for r in res["rows"]]
@@ -92,8 +94,6 @@ def plot(res: dict[str, Any], path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
-  from dinfer_jax import cli_common
-  import dinfer_jax
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   cli_common.add_model_flags(ap)
   ap.add_argument("--prompts", default=None)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from dinfer_jax.bench.metrics import CallRecord, predicted_forward_time, summarize
 from dinfer_jax.cache import KVCache
@@ -314,7 +315,6 @@ def run_side_by_side(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]]
                      batch_size: int = 1, repeats: int = 3, variants: Sequence[str] = VARIANTS,
                      overhead_k: int = 4, overhead_gen_length: int = 0, progress: bool = True) -> dict[str, Any]:
   """Runs the variants on the same prompts; returns {"variants": {name: metrics}, ratios...}."""
-  from tqdm.auto import tqdm
 
   batches = batched(prompts, batch_size)
   # Each loop on the layout it is written for, made once (not inside a timed call): the engine on per-layer

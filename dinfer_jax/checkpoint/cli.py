@@ -15,6 +15,13 @@ import argparse
 import os
 import sys
 
+import numpy as np
+from absl import logging as absl_logging
+
+from dinfer_jax.checkpoint import CheckpointError, describe, hf2jax, inspect, jax2hf
+from dinfer_jax.checkpoint.outdir import Interrupted, remove_when_quiet
+from dinfer_jax.config import ConfigError
+
 
 def _gb(n: int) -> str:
   return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
@@ -30,7 +37,6 @@ def _add_overwrite_flags(p: argparse.ArgumentParser) -> None:
 def _replace_unmarked(args) -> bool:
   if args.overwrite_unmarked is None:
     return False
-  from dinfer_jax.checkpoint import CheckpointError
   if os.path.realpath(args.overwrite_unmarked) != os.path.realpath(args.dst):
     raise CheckpointError(f"--overwrite-unmarked {args.overwrite_unmarked} is not DST ({args.dst}); "
                           "it must name the directory to replace")
@@ -70,13 +76,9 @@ def main(argv=None, prog: str = "python -m convert") -> int:
 
   # Imports after argument parsing so `--help` is instant; absl logging quieted because orbax warns
   # about things that do not concern a one-shot conversion.
-  from absl import logging as absl_logging
   # FATAL, not ERROR: a failed write (disk full) is logged by orbax's writer thread with its whole
   # traceback before the error reaches us; we report it once, in one line.
   absl_logging.set_verbosity(absl_logging.FATAL)
-  from dinfer_jax.checkpoint import CheckpointError, describe, hf2jax, inspect, jax2hf
-  from dinfer_jax.checkpoint.outdir import Interrupted, remove_when_quiet
-  from dinfer_jax.config import ConfigError
 
   try:
     if args.cmd == "hf2jax":
@@ -132,7 +134,6 @@ def _prod(shape) -> int:
 
 
 def _itemsize(name: str) -> int:
-  import numpy as np
   return np.dtype(name).itemsize
 
 

@@ -42,14 +42,15 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint import future as ocp_future
-from orbax.checkpoint import type_handlers as ocp_th
+from orbax.checkpoint import future as ocp_future, type_handlers as ocp_th
 
 from dinfer_jax.checkpoint.errors import CheckpointError, read_json_object
+from dinfer_jax.checkpoint.keymap import LAYOUTS
 from dinfer_jax.checkpoint.outdir import atomic_dir, writes_stopped
 from dinfer_jax.config import ConfigError, ModelConfig
-from dinfer_jax.model import params as params_lib
+from dinfer_jax.model import params as params_lib, quant
 from dinfer_jax.model.params import FP32_PARAMS, abstract_params, leaf_dtype  # noqa: F401 (re-exported)
+from dinfer_jax.model.quant import STORED_PARTS
 
 FORMAT = "dinfer_jax"
 FORMAT_VERSION = 1
@@ -189,7 +190,6 @@ def expected_tree(cfg: ModelConfig, dtype, quantization: Mapping[str, Any] | Non
   """abstract_params(cfg, dtype), in the storage form of model/quant.py when the checkpoint is quantised."""
   tree = abstract_params(cfg, dtype)
   if quantization:
-    from dinfer_jax.model import quant
     tree = quant.abstract_storage(tree, quant.QuantConfig(**quantization))
   return tree
 
@@ -216,7 +216,6 @@ def check_tree(params, cfg: ModelConfig, dtype, quantization: Mapping[str, Any] 
 
 def tree_dtype(params) -> np.dtype:
   """The weight dtype of a tree (the dtype of its non-fp32-by-design leaves), which must be uniform."""
-  from dinfer_jax.model.quant import STORED_PARTS  # quantised leaves keep their own dtypes
   dts = {np.dtype(x.dtype) for p, x in _flat(params).items() if p[-1] not in FP32_PARAMS + STORED_PARTS}
   if len(dts) != 1:
     raise CheckpointError(f"params: leaves have mixed dtypes {sorted(d.name for d in dts)}; expected one weight dtype")
@@ -247,7 +246,6 @@ def read_meta(path: os.PathLike) -> dict[str, Any]:
     raise CheckpointError(f"{f}: unknown dtype {meta.get('dtype')!r}")
   q = meta.get("quantization")
   if q is not None:
-    from dinfer_jax.model import quant
     try:
       quant.QuantConfig(**q)
     except (TypeError, ValueError) as e:
@@ -295,7 +293,6 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
   Returns:
     {"n_params", "bytes", "dtype", "path"}.
   """
-  from dinfer_jax.checkpoint.keymap import LAYOUTS
   if layout not in LAYOUTS:
     raise CheckpointError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
   if not isinstance(hf_config_dict, Mapping):
@@ -304,7 +301,6 @@ def save_converted(dst: os.PathLike, params, hf_config_dict: Mapping[str, Any], 
   if params_lib.is_unstacked(params):  # a loaded Model's params: the checkpoint stores the stacked layers
     params = params_lib.stack_layers(params)
   if quantization:
-    from dinfer_jax.model import quant
     quantization = quant.QuantConfig(**quantization).to_dict()
     params = quant.to_storage(params)
   dtype = tree_dtype(params)
@@ -434,7 +430,6 @@ def load_converted(path: os.PathLike, *, dtype=None, shardings=None) -> tuple[An
     raise CheckpointError(f"{d}: restore failed: {type(e).__name__}: {e}") from e
   params = jax.tree_util.tree_unflatten(treedef, out)
   if quantization:
-    from dinfer_jax.model import quant
     params = quant.from_storage(params)
   return params, cfg, raw
 

@@ -15,6 +15,7 @@ from dinfer_jax.checkpoint.converted import CONFIG_NAME, LazyArray, leaf_dtype, 
 from dinfer_jax.checkpoint.errors import CheckpointError
 from dinfer_jax.checkpoint.safetensors_io import FLOAT_CODES, INDEX_NAME, SINGLE_NAME, WeightSet, dtype_name
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.model import quant
 from dinfer_jax.model.params import abstract_params
 
 FP8_CODE = "F8_E4M3"
@@ -101,7 +102,6 @@ class HFCheckpoint:
                               f"{self.scales[k]!r}; only {dtype_name(FP8_CODE)} weights are scaled")
 
   def _fp8_config(self):
-    from dinfer_jax.model import quant
     qcfg = self.raw_config.get("quantization_config") or {}
     block = qcfg.get("weight_block_size", [128, 128])
     if (not isinstance(block, (list, tuple)) or len(block) != 2 or block[0] != block[1]
@@ -113,7 +113,6 @@ class HFCheckpoint:
   def _validate_fp8(self, k: str, e) -> None:
     """An FP8 weight: its scale exists, is float, has the block grid's shape, and maps onto a quantised leaf
     tile for tile."""
-    from dinfer_jax.model import quant
     t = self.weights[k]
     if k not in self.scales:
       raise CheckpointError(f"tensor {k!r} in {t.file.name} is {dtype_name(FP8_CODE)} but {k + SCALE_SUFFIX!r} "
@@ -159,14 +158,12 @@ class HFCheckpoint:
 
   def is_quantised_leaf(self, path: tuple[str, ...]) -> bool:
     """Whether this FP8 checkpoint's leaf comes back as a QArray (fp8 values + block scales as stored)."""
-    from dinfer_jax.model import quant
     return self.quantization is not None and quant.leaf_axes(path, len(self._shapes()[path])) is not None
 
   def build_quantised_leaf(self, path: tuple[str, ...], dtype) -> dict[str, np.ndarray]:
     """{"qvalue", "scale"} of one leaf of an FP8 checkpoint: the FP8 values and their block scales copied
     through the same transforms as the weights (the block grid is the weight's, `block` times smaller), no
     bf16 round trip. A piece stored in a float dtype instead is quantised in the same blocks."""
-    from dinfer_jax.model import quant
     qc = self.quantization
     shape = tuple(self._shapes()[path])
     qvalue = np.empty(shape, quant.SCHEMES["fp8"])
@@ -210,7 +207,6 @@ class HFCheckpoint:
   def check_quantize(self, quantize):
     """The quantisation to write or load with: an FP8 checkpoint keeps its own (asking for another would
     requantise already-rounded values: load it, then requantise explicitly)."""
-    from dinfer_jax.model import quant
     qc = quant.QuantConfig.parse(quantize)
     if self.quantization is None:
       return qc
@@ -225,7 +221,6 @@ class HFCheckpoint:
     that build the leaf and quantise it once, when the first of the two is written (orbax writes them one
     after the other)."""
     dtype = norm_dtype(dtype)
-    from dinfer_jax.model import quant
     quantize = self.check_quantize(quantize)
 
     def make(path, x):
@@ -255,7 +250,6 @@ class _QuantisedLeaf:
       if self.stored is not None:
         self.parts = self.stored()
       else:
-        from dinfer_jax.model import quant
         q = quant.quantize_leaf(self.path, self.build(), self.qc)
         self.parts = {"qvalue": np.asarray(q.qvalue), "scale": np.asarray(q.scale)}
     return self.parts.pop(name)
@@ -287,7 +281,6 @@ def load_hf_params(path: os.PathLike, cfg: ModelConfig | None = None, dtype="bfl
   def one(path, x, *s):
     p = tuple(k.key for k in path)
     if ck.is_quantised_leaf(p):
-      from dinfer_jax.model import quant
       parts = ck.build_quantised_leaf(p, dtype)
       return quant.make_qarray(jax.numpy.asarray(parts["qvalue"]), jax.numpy.asarray(parts["scale"]))
     arr = ck.build_leaf(p, dtype)

@@ -21,6 +21,16 @@ import sys
 import tempfile
 import time
 
+import jax
+import ml_dtypes
+import numpy as np
+
+from dinfer_jax.checkpoint.keymap import expected_hf_keys, hf_dtype
+from dinfer_jax.checkpoint.safetensors_io import OutTensor, WeightSet, write_checkpoint
+from dinfer_jax.config import ModelConfig
+from dinfer_jax.model.params import abstract_params
+
+
 def make_config(size_gb: float) -> dict:
   """A LLaDA-MoE config (real-model proportions, smaller dims) with about size_gb of bf16 weights."""
   vocab, d, n_exp, f = 32768, 1024, 32, 512
@@ -37,12 +47,7 @@ def make_config(size_gb: float) -> dict:
 
 def write_random_hf(directory: pathlib.Path, hf_config: dict, shard_gb: float = 0.5) -> dict:
   """Streams a random checkpoint to disk (one tensor in memory at a time)."""
-  import ml_dtypes
-  import numpy as np
 
-  from dinfer_jax.checkpoint.keymap import expected_hf_keys, hf_dtype
-  from dinfer_jax.checkpoint.safetensors_io import OutTensor, write_checkpoint
-  from dinfer_jax.config import ModelConfig
 
   cfg = ModelConfig.from_hf_config(hf_config)
   directory.mkdir(parents=True)
@@ -54,8 +59,6 @@ def write_random_hf(directory: pathlib.Path, hf_config: dict, shard_gb: float = 
     return (rng.standard_normal(t.shape, dtype=np.float32) * 0.02).astype(t.dtype)
 
   write_checkpoint(directory, tensors, produce, max_shard_bytes=int(shard_gb * 2**30))
-  from dinfer_jax.model.params import abstract_params
-  import jax
   leaves = jax.tree_util.tree_leaves(abstract_params(cfg))
   return {"model_bytes": sum(t.nbytes for t in tensors), "n_tensors": len(tensors),
           "largest_tensor_bytes": max(t.nbytes for t in tensors),
@@ -157,8 +160,6 @@ def measure(size_gb: float, workdir: pathlib.Path, naive: bool = False) -> dict:
     rss, secs = peak_rss(cmd)
     results[name] = {"peak_rss": rss, "seconds": secs}
   # The round trip must be exact, or the numbers mean nothing.
-  from dinfer_jax.checkpoint.safetensors_io import WeightSet
-  import numpy as np
   a, b = WeightSet(workdir / "hf"), WeightSet(workdir / "hf_back")
   assert sorted(a.keys()) == sorted(b.keys())
   for k in a.keys():

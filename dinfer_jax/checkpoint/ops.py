@@ -10,12 +10,22 @@ import numpy as np
 
 from dinfer_jax.checkpoint import keymap
 from dinfer_jax.checkpoint.converted import (
-    PARAMS_DIR, copy_aux_files, is_converted_checkpoint, norm_dtype, orbax_metadata, read_config_file,
-    read_meta, restore_leaves_numpy, save_converted, write_config)
+  PARAMS_DIR,
+  copy_aux_files,
+  is_converted_checkpoint,
+  norm_dtype,
+  orbax_metadata,
+  read_config_file,
+  read_meta,
+  restore_leaves_numpy,
+  save_converted,
+  write_config,
+)
 from dinfer_jax.checkpoint.errors import CheckpointError
-from dinfer_jax.checkpoint.outdir import atomic_dir
 from dinfer_jax.checkpoint.hf import SCALE_SUFFIX, HFCheckpoint, is_hf_checkpoint
+from dinfer_jax.checkpoint.outdir import atomic_dir
 from dinfer_jax.checkpoint.safetensors_io import INDEX_NAME, OutTensor, WeightSet, dtype_name, write_checkpoint
+from dinfer_jax.model import quant
 
 # HF's usual shard size: small enough for hub uploads, large enough to keep the file count low.
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -44,7 +54,6 @@ def hf2jax(src: os.PathLike, dst: os.PathLike, dtype="bfloat16", *, overwrite: b
   """
   t0 = time.time()
   dtype = norm_dtype(dtype)
-  from dinfer_jax.model import quant
   ck = HFCheckpoint(src, nonfinite="warn" if allow_nonfinite else "error")
   qc = quant.QuantConfig.parse(quantize)
   if qc is not None and qc.runtime_only:
@@ -96,7 +105,6 @@ def jax2hf(src: os.PathLike, dst: os.PathLike, *, dtype=None, layout: str | None
   default = meta["dtype"] if q else (meta.get("source_dtype") or meta["dtype"])
   out_dtype = norm_dtype(dtype if dtype is not None else default)
   entries = keymap.plan(cfg, layout)
-  from dinfer_jax.model import quant
   stored = orbax_metadata(src)
   quantised = {path[:-1] for path in stored if path[-1] == "qvalue"}
 

@@ -19,6 +19,8 @@ import pathlib
 import threading
 from typing import Any, Callable, Hashable
 
+import jax
+
 
 class ProgramCache:
   """Thread-safe LRU of compiled programs, by key (see engine.generate.program_key).
@@ -87,7 +89,6 @@ def enable_disk_cache(where: str | os.PathLike | None) -> pathlib.Path | None:
   """Points JAX's persistent compilation cache at `where` (None: default_disk_cache_dir(); "off": no
   cache) for every program, however fast it compiled. Returns the directory, or None when off or when the
   directory cannot be created (then a warning is the caller's business: compiling still works)."""
-  import jax
   if where is not None and str(where) == "off":
     return None
   path = pathlib.Path(where).expanduser().absolute() if where is not None else default_disk_cache_dir()

@@ -328,6 +328,15 @@ def _blockwise(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
   return RefResult(x.tolist(), commit[P:].tolist(), n, forwards, blocks, fblock)
 
 
+def _extend_cache(kv: KVCache, e: int) -> KVCache:
+  """dInfer's extend_cache: the cache covers exactly [0, e); slots not yet written are zeros."""
+  have = kv.k.shape[2]
+  if have < e:
+    pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, e - have), (0, 0), (0, 0)))  # noqa: E731
+    return KVCache(pad(kv.k), pad(kv.v))
+  return KVCache(kv.k[:, :, :e], kv.v[:, :, :e])
+
+
 def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
   assert gcfg.cont_weight == 0
   P, G, B = len(prompt), gcfg.gen_length, gcfg.block_length
@@ -362,13 +371,7 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
     blocks.append((s, e))
     state = runner.init_state(dec, x[s:e])
     if use_cache:
-      # extend_cache: the cache covers exactly [0, e); slots not yet written are zeros.
-      have = kv.k.shape[2]
-      if have < e:
-        pad = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, e - have), (0, 0), (0, 0)))
-        kv = KVCache(pad(kv.k), pad(kv.v))
-      else:
-        kv = KVCache(kv.k[:, :, :e], kv.v[:, :, :e])
+      kv = _extend_cache(kv, e)
     last_input_had_masks = False
     while (x[s:e] == mask_id).any():
       last_input_had_masks = True

@@ -7,13 +7,14 @@ import argparse
 import json
 import pathlib
 
+from dinfer_jax import cli_common
+
 TASKS_DIR = pathlib.Path(__file__).parent / "tasks"
 
 
 def register(subparsers) -> None:
   e = subparsers.add_parser("lm-eval", help="lm-evaluation-harness on a model (scores + TPS/TPF/NFE)",
                             description=__doc__)
-  from dinfer_jax import cli_common
   cli_common.add_model_flags(e, dtype=False)  # the dtype goes in --model-args, as lm-eval passes it
   e.add_argument("--model-args", default="", help="comma list of k=v: dtype, batch_size, mc_num, mc_batch_size, "
                  "seed, and GenerationConfig knobs (gen_length=256,cache=dual,...)")
@@ -35,7 +36,7 @@ def run(model_path: str, model_args: str, tasks: list[str], *, include_path: str
   from lm_eval.tasks import TaskManager
   from lm_eval.utils import simple_parse_args_string
 
-  from dinfer_jax.evaluation.lm_eval_model import DinferJaxLM
+  from dinfer_jax.evaluation.lm_eval_model import DinferJaxLM  # the eval extra (lm-eval)
   kw = simple_parse_args_string(model_args) if model_args else {}
   lm = DinferJaxLM(pretrained=model_path, **kw)
   paths = [str(TASKS_DIR)] + ([include_path] if include_path else [])

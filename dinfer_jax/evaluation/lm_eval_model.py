@@ -26,7 +26,11 @@ from typing import Any
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+import dinfer_jax
+from dinfer_jax.answer import cut_at_stop, with_token_cap
+from dinfer_jax.cli_common import model_generation_defaults
 from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.evaluation.loglik import mc_loglikelihood
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +58,6 @@ class DinferJaxLM(LM):
   def __init__(self, pretrained: str = "default", dtype: str = "float32", batch_size: int | str = 16,
                mc_num: int = 128, mc_batch_size: int = 32, seed: int = 0, **kwargs):
     super().__init__()
-    import dinfer_jax
-    from dinfer_jax.cli_common import model_generation_defaults
     self.model = dinfer_jax.load(pretrained, dtype=dtype)
     if self.model.tokenizer is None:
       raise ValueError(f"dinfer_jax: the model at {self.model.path} has no tokenizer; lm-eval sends text")
@@ -107,7 +109,6 @@ class DinferJaxLM(LM):
   # ------------------------------------------------------------------ generation
 
   def config_for(self, max_gen_toks: int | None, temperature: float) -> GenerationConfig:
-    from dinfer_jax.answer import with_token_cap
     g = with_token_cap(self.gcfg, int(max_gen_toks) if max_gen_toks else None)
     if temperature != g.temperature:
       g = g.replace(temperature=float(temperature))
@@ -126,8 +127,6 @@ class DinferJaxLM(LM):
     return ids
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-    import dinfer_jax
-    from dinfer_jax.answer import cut_at_stop
     out: list[str | None] = [None] * len(requests)
     groups: dict[tuple, list[int]] = {}
     parsed = []
@@ -174,7 +173,6 @@ class DinferJaxLM(LM):
 
   def greedy_matches(self, context: list[int], target: list[int]) -> bool:
     """Whether LLaDA's greedy low-confidence decode of len(target) positions after context gives target."""
-    import dinfer_jax
     L = len(target)
     g = self.gcfg.replace(gen_length=L, block_length=L, decoder="fixed_steps", steps_per_block=L, cache="none",
                           prefix_look=0, after_look=0, warmup_steps=0, cont_weight=0.0, temperature=0.0,
@@ -183,7 +181,6 @@ class DinferJaxLM(LM):
     return res.canvas[0][len(context):len(context) + L] == list(target)
 
   def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-    from dinfer_jax.evaluation.loglik import mc_loglikelihood
     out = []
     for req in requests:
       ctx, cont = self._encode_pair(*req.args)

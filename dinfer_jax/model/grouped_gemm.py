@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from dinfer_jax.model import quant
 from dinfer_jax.model.layers import rms_normalize
@@ -104,8 +106,6 @@ def _values_scale(w):
 def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool, block_m: int, slots: int,
             gathered: bool, x_scaled: bool, row_scaled: bool, rows_per_token: int):
   """One (slot, column tile, group) block: the group's row tiles slot, slot + slots, ..."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plgpu
   x_ref, refs = refs[0], refs[1:]
   src_ref, refs = (refs[0], refs[1:]) if gathered else (None, refs)
   xs_ref, refs = (refs[0], refs[1:]) if x_scaled else (None, refs)
@@ -191,7 +191,6 @@ def align_fits(T: int, E: int, k: int) -> bool:
 
 
 def _align_kernel(p_ref, w_ref, idx_ref, dest_ref, src_ref, lo_ref, hi_ref, *, T: int, k: int, block_m: int):
-  from jax.experimental import pallas as pl
   Tp, E = w_ref.shape[0], p_ref.shape[1]
   t = jnp.arange(Tp, dtype=jnp.int32)
   col = jnp.arange(E, dtype=jnp.int32)[None, :]
@@ -237,8 +236,6 @@ def _align_kernel(p_ref, w_ref, idx_ref, dest_ref, src_ref, lo_ref, hi_ref, *, T
 
 
 def _topk_align_call(probs: jax.Array, k: int, block_m: int, interpret: bool) -> Routed:
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plgpu
   T, E = probs.shape
   Tp = _pow2(T)
   outs = (jax.ShapeDtypeStruct((Tp, k), jnp.float32), jax.ShapeDtypeStruct((Tp, k), jnp.int32),
@@ -282,7 +279,6 @@ def topk_align(probs: jax.Array, k: int, block_m: int, *, interpret: bool = Fals
 
 
 def _combine_norm_kernel(ys_ref, dest_ref, w_ref, x_ref, xo_ref, n_ref, *, k: int, bt: int, eps: float):
-  from jax.experimental import pallas as pl
   rows = pl.ds(pl.program_id(0) * bt, bt)
   dest, w = dest_ref[rows, :], w_ref[rows, :]
   kcol = jnp.arange(k, dtype=jnp.int32)[None, :]
@@ -312,8 +308,6 @@ def combine_normalize(ys: jax.Array, dest: jax.Array, w: jax.Array, x: jax.Array
   as it loads). ys [R, D] sorted rows (the down GEMM's), dest / w [>= T, k] (topk_align's; rows [0, T)
   read), x [T, D]. Two XLA kernels otherwise (a gather-add, then the norm: a reduction does not fuse into the
   gather)."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plgpu
   T, D = x.shape
   k = w.shape[1]
   if dest.shape != w.shape or dest.shape[0] < T or ys.shape[1] != D or D & (D - 1) or k & (k - 1):
@@ -360,8 +354,6 @@ def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Pla
   routed_rows: M, the rows the plan was made for (needed with rows; else x's rows less block_m). The kernel's
   name carries it and the tile (`dinfer_grouped_{dot|swiglu}_bm{block_m}_m{M}`: bench/realistic.py reads
   them)."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plgpu
   if len(ws) not in (1, 2):
     raise ValueError(f"grouped_matmul takes one kernel or two (gate, up), got {len(ws)}")
   if not all(supports(w) for w in ws):

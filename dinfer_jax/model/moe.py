@@ -22,7 +22,9 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
+from dinfer_jax import hardware
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import grouped_gemm, quant
 from dinfer_jax.model.layers import rms_normalize, swiglu
@@ -134,14 +136,11 @@ def choose_impl(cfg: ModelConfig, n_tokens: int) -> str:
     return "grouped"
   if n_tokens <= ACCEL_DENSE_MAX_TOKENS:
     return "dense"
-  if backend() == "gpu" and not has_gpu_grouped_gemm():
-    return "dense"
   return "ragged"
 
 
 def _tokamax():
   # tokamax reads its settings from absl flags, which would otherwise parse this program's sys.argv.
-  from absl import flags
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
   import tokamax
@@ -150,15 +149,13 @@ def _tokamax():
 
 # tokamax's Pallas-Triton grouped GEMM tiles each group's rows from the group's own start, over a grid of
 # ceil(M / block_m) x ceil(N / block_n) x G blocks: the blocks past a group's rows find nothing and exit (not
-# free: about 1 us per wave of ~1056 resident blocks on an H200), and a group's last tile is padded. Its
-# heuristic block_m is 128 whatever the rows per group; grouped_block_m picks the one that costs least by the
-# roofline bench's realistic model (bench.realistic: 790 TFLOP/s achievable, rows spread evenly over groups):
-# 256 at the refreshes (160 rows per expert at batch 1: one tile instead of two; 1280 at batch 8: 5 full
-# tiles), half the grid either way.
+# free: about 1 us per wave of the chip's resident blocks), and a group's last tile is padded. Its heuristic
+# block_m is 128 whatever the rows per group; grouped_block_m picks the one that costs least on the chip the
+# program is for (hardware.current(); the roofline bench's realistic model, rows spread evenly over groups):
+# on an H200, 256 at the refreshes (160 rows per expert at batch 1: one tile instead of two; 1280 at batch 8:
+# 5 full tiles), half the grid either way.
 GROUPED_BLOCK_M = (64, 128, 256)
 GROUPED_BLOCK_N = 128
-_GEMM_FLOPS_PER_S = 790e12
-_EMPTY_WAVE_S, _RESIDENT_BLOCKS = 1e-6, 132 * 8
 
 
 def grouped_tiles(M: int, K: int, N: int, G: int, block_m: int, block_n: int = GROUPED_BLOCK_N) -> dict[str, float]:
@@ -171,15 +168,19 @@ def grouped_tiles(M: int, K: int, N: int, G: int, block_m: int, block_n: int = G
           "blocks": math.ceil(M / block_m) * col_tiles * G, "working_blocks": G * row_tiles * col_tiles}
 
 
-def grouped_time_s(t: dict[str, float], flops_per_s: float = _GEMM_FLOPS_PER_S, empty_wave_s: float = _EMPTY_WAVE_S,
-                   resident_blocks: int = _RESIDENT_BLOCKS) -> float:
-  """Compute time of the tiles plus the empty blocks' waves (the realistic model's charge)."""
-  return t["padded_flops"] / flops_per_s + empty_wave_s * (t["blocks"] - t["working_blocks"]) / resident_blocks
+def grouped_time_s(t: dict[str, float], chip: hardware.Chip | None = None) -> float:
+  """Compute time of the tiles plus the empty blocks' waves on `chip` (default hardware.current()): the
+  realistic model's charge."""
+  chip = chip or hardware.current()
+  return t["padded_flops"] / chip.gemm_flops + chip.empty_wave_s * (t["blocks"] - t["working_blocks"]) / \
+      chip.resident_blocks
 
 
 def grouped_block_m(M: int, K: int, N: int, G: int) -> int:
-  """The row tile that costs least for this shape (ties: the smaller tile, fewer registers)."""
-  return min(GROUPED_BLOCK_M, key=lambda bm: (grouped_time_s(grouped_tiles(M, K, N, G, bm)), bm))
+  """The row tile that costs least for this shape on the target chip (ties: the smaller tile, fewer
+  registers)."""
+  chip = hardware.current()
+  return min(GROUPED_BLOCK_M, key=lambda bm: (grouped_time_s(grouped_tiles(M, K, N, G, bm), chip), bm))
 
 
 def _tokamax_op(block_m: int):

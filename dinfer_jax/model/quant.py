@@ -31,9 +31,11 @@ import dataclasses
 import sys
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 
 SCHEMES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 SCALES = ("channel", "block")
@@ -230,7 +232,6 @@ def scale_shape(path: tuple[str, ...], shape: tuple[int, ...], qc: QuantConfig) 
 
 def quantize_leaf(path: tuple[str, ...], w, qc: QuantConfig):
   """One weight -> QArray (qvalue in qc.qtype, fp32 scales), absmax per tile."""
-  import qwix
   tiles = tile_shape(path, w.shape, qc)
   tiled = {a: t for a, t in enumerate(tiles) if t != 1}
   channel = [a for a, t in enumerate(tiles) if t == 1]
@@ -246,7 +247,6 @@ def with_parts(w, qvalue, scale):
 def make_qarray(qvalue, scale, act_min_tokens: int | None = None):
   """A QArray from stored parts (a checkpoint's qvalue and fp32 scale); with act_min_tokens, one whose products
   quantise their activations too (see _act_class)."""
-  import qwix
   if act_min_tokens is None:
     return qwix.QArray(qvalue=qvalue, scale=scale)
   return _act_class()(qvalue=qvalue, scale=scale, act_min_tokens=act_min_tokens)
@@ -261,8 +261,6 @@ def _act_class():
   policy travels with the weights (as qwix's qtype does) and is part of the tree's structure: the forward
   needs no extra argument, and a tree with another policy is another compile."""
   if not _ACT_CLASS:
-    import flax
-    import qwix
 
     @flax.struct.dataclass
     class ActQArray(qwix.QArray):
@@ -364,7 +362,6 @@ def dequantize(w, dtype=None):
   """A QArray back to a dense array (in the scale's dtype or `dtype`); other arrays unchanged."""
   if not is_qarray(w):
     return w
-  import qwix
   return qwix.dequantize(w if dtype is None else w.astype(dtype))
 
 
@@ -463,7 +460,6 @@ def _dequantized_einsum(spec: str, x: jax.Array, w, preferred_element_type) -> j
 def ragged_dot(x: jax.Array, w, sizes: jax.Array) -> jax.Array:
   """jax.lax.ragged_dot for a plain or quantised [G, K, N] kernel (the non-tokamax path)."""
   if is_qarray(w):
-    import qwix
     return qwix.ragged_dot(x, w.astype(x.dtype), sizes)
   return jax.lax.ragged_dot(x, w.astype(x.dtype), sizes)
 

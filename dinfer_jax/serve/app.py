@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import time
 import uuid
@@ -20,15 +21,15 @@ from typing import Any, Callable, Literal, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dinfer_jax.answer import cut_at_stop, settled_prefix, with_token_cap
 from dinfer_jax.cli_common import prompt_tasks, trained_tasks
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.serve.batcher import Batcher, Job, QueueFull
 from dinfer_jax.serve.metrics import Metrics
-from dinfer_jax.answer import cut_at_stop, settled_prefix, with_token_cap
 
 
 class APIError(Exception):
@@ -126,7 +127,6 @@ def create_app(model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig) -> 
   app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
 
   if cfg.api_key:
-    import hmac
     want = f"Bearer {cfg.api_key}".encode()
 
     @app.middleware("http")

@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from dinfer_jax.engine.config import GenerationConfig
-from dinfer_jax.engine.generate import GenerationResult, compile_program, generate, prepare, program_ready
+from dinfer_jax.engine.generate import GenerationResult, bucket_rows, compile_program, generate, prepare, program_ready
 from dinfer_jax.engine.programs import ProgramCache
 
 
@@ -74,7 +74,6 @@ class Job:
 
 def bucket_for(rows: int, max_batch: int) -> int:
   """The engine's own batch bucket for this many rows (generate.bucket_rows), capped at max_batch."""
-  from dinfer_jax.engine.generate import bucket_rows
   return min(bucket_rows(rows), max_batch)
 
 

@@ -6,14 +6,24 @@ from __future__ import annotations
 
 import argparse
 import functools
+import ipaddress
+import os
+import pathlib
 import sys
 import threading
 import time
 
+import dinfer_jax
+from dinfer_jax import cli_common
+from dinfer_jax.api import DEFAULT_MODEL_DIR
+from dinfer_jax.engine.programs import ProgramCache
+from dinfer_jax.serve.batcher import DynamicBatcher
+from dinfer_jax.serve.continuous import ContinuousBatcher
+from dinfer_jax.serve.metrics import Metrics
+
 
 def register(subparsers, model_defaults=None) -> None:
   """Adds `serve`; `model_defaults` (the --model's generation_config.json knobs) are shown in its help."""
-  from dinfer_jax import cli_common
   s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                             description=__doc__)
   cli_common.add_model_flags(s)
@@ -60,9 +70,7 @@ def warmup_prompt_lengths(mcfg, gcfg, max_len: int) -> list[int]:
 
 
 def model_name(model, given: str | None) -> str:
-  import pathlib
 
-  from dinfer_jax.api import DEFAULT_MODEL_DIR
   if given:
     return given
   p = pathlib.Path(model.path)
@@ -71,13 +79,7 @@ def model_name(model, given: str | None) -> str:
 
 def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flush=True)):
   """Loads the model and builds (app, batcher, server config, warm-up specs); nothing compiles here."""
-  import dinfer_jax
-  from dinfer_jax import cli_common
-  from dinfer_jax.engine.programs import ProgramCache
-  from dinfer_jax.serve.app import ServerConfig, create_app
-  from dinfer_jax.serve.batcher import DynamicBatcher
-  from dinfer_jax.serve.continuous import ContinuousBatcher
-  from dinfer_jax.serve.metrics import Metrics
+  from dinfer_jax.serve.app import ServerConfig, create_app  # the serve extra (FastAPI)
 
   if args.max_programs < 1:
     raise SystemExit(f"error: --max-programs {args.max_programs}: must be >= 1")
@@ -123,12 +125,10 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-  import os
   return args.api_key or os.environ.get("DINFER_JAX_API_KEY") or None
 
 
 def is_loopback(host: str) -> bool:
-  import ipaddress
   if host == "localhost":
     return True
   try:
@@ -142,11 +142,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
   except ImportError:
     raise SystemExit("error: dinfer-jax serve needs the serve extra: pip install 'dinfer-jax[serve]'") from None
+  from dinfer_jax.serve.protocol import with_header_timeout  # the serve extra (uvicorn)
   if not is_loopback(args.host) and not api_key(args):
     print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the "
           "model", file=sys.stderr, flush=True)
-  from dinfer_jax import cli_common
-  from dinfer_jax.serve.protocol import with_header_timeout
   if not (args.header_timeout_s > 0 and args.keep_alive_s > 0):
     raise SystemExit(f"error: --header-timeout-s {args.header_timeout_s} and --keep-alive-s {args.keep_alive_s} "
                      "must be > 0")

@@ -103,7 +103,8 @@ def test_offline_lm_eval_scores_what_train_td_eval_scores(monkeypatch, tmp_path,
   train_td's evaluator gets on the same held-out problems."""
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
   monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-  from train_td import evaluate, tasks
+  from dinfer_jax import tasks
+  from train_td import evaluate
   n = 48
   from dinfer_jax.evaluation.cli import TASKS_DIR
   rows = [json.loads(l) for l in (TASKS_DIR / "embedded" / "arithmetic_test.jsonl").read_text().splitlines()]

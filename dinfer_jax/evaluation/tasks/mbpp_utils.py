@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import warnings
 
+from dinfer_jax.tasks import harness, sandbox
+
 _BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 
 
@@ -15,7 +17,6 @@ def extract_code(answer: str) -> str:
 
 
 def passes(code: str, setup: str, tests: list[str], timeout: float = 10.0) -> bool:
-  from dinfer_jax.tasks import harness, sandbox
   limits = sandbox.Limits(cpu_seconds=max(1, int(timeout)), wall_seconds=timeout, memory_bytes=512 * 2**20,
                           max_output_bytes=1 << 20)
   try:

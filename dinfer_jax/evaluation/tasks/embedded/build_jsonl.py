@@ -14,12 +14,13 @@ import os
 import pathlib
 import tempfile
 
+from dinfer_jax import tasks as tasks_lib
+
 HERE = pathlib.Path(__file__).parent
 TASKS = ("arithmetic", "program")
 
 
 def write(task: str, n: int, seed: int, out_dir: pathlib.Path = HERE) -> pathlib.Path:
-  from dinfer_jax import tasks as tasks_lib
   rows = [dataclasses.asdict(p) for p in tasks_lib.test_problems(task, n, seed)]
   path = out_dir / f"{task}_test.jsonl"
   fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")

@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import pathlib
 
+import datasets
+
+from dinfer_jax import tasks as tasks_lib
+from dinfer_jax.tasks.base import Problem
+
 HERE = pathlib.Path(__file__).parent
 
 
 def _load(task: str):
-  import datasets
   rows = [json.loads(l) for l in (HERE / f"{task}_test.jsonl").read_text().splitlines() if l.strip()]
   return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
@@ -23,12 +27,10 @@ def load_program(**_):
 
 
 def _problem(doc):
-  from dinfer_jax.tasks.base import Problem
   pairs = lambda v: tuple((int(a), int(b)) for a, b in (v or ()))
   return Problem(task=doc["task"], prompt=doc["prompt"], answer=doc["answer"],
                  split_keys=tuple(doc["split_keys"]), examples=pairs(doc["examples"]), tests=pairs(doc["tests"]))
 
 
 def process_results(doc, results):
-  from dinfer_jax import tasks as tasks_lib
   return {"acc": float(bool(tasks_lib.get_task(doc["task"]).check(_problem(doc), results[0])))}

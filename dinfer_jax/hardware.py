@@ -1,0 +1,91 @@
+"""The chips the engine tunes its kernels for and the benches predict: one table keyed by chip.
+
+Each entry holds the spec sheet (the ideal roofline and the deviceless compile target) and what was measured
+or derived on such a chip (the realistic model's rates and the grouped GEMM's tile choice). Sources:
+NVIDIA's H100/H200 SXM data sheets for the specs; the achievable rates are the measured ones of
+docs/gpu.md (a device-to-device copy, a large bf16 cuBLAS GEMM).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One GPU.
+
+  Attributes:
+    key: the table's key ("h200").
+    name: the device kind as jax reports it (jax.Device.device_kind).
+    hbm_bytes_per_s, bf16_flops: spec peaks (HBM bandwidth; dense bf16 tensor-core FLOP/s).
+    l2_bytes, memory_bytes, sms: the compile target's L2, HBM size and streaming multiprocessors.
+    copy_bytes_per_s: achievable HBM bandwidth (a device-to-device copy).
+    gemm_flops: achievable bf16 FLOP/s of a large GEMM.
+    eight_bit_flops: 8-bit x 8-bit operands: twice gemm_flops, as the spec's ratio (not measured).
+    blocks_per_sm: small thread blocks resident per SM (a grid's wave is sms * blocks_per_sm blocks).
+    empty_wave_s: one wave of grid blocks that find no rows and exit.
+    nvlink_bytes_per_s: per direction per GPU (the mesh bench's collectives).
+  """
+
+  key: str
+  name: str
+  hbm_bytes_per_s: float
+  bf16_flops: float
+  l2_bytes: int
+  memory_bytes: int
+  sms: int
+  copy_bytes_per_s: float
+  gemm_flops: float
+  eight_bit_flops: float
+  blocks_per_sm: int = 8
+  empty_wave_s: float = 1e-6
+  nvlink_bytes_per_s: float = 450e9
+
+  @property
+  def resident_blocks(self) -> int:
+    return self.sms * self.blocks_per_sm
+
+
+CHIPS = {
+    "h200": Chip("h200", "NVIDIA H200", hbm_bytes_per_s=4.8e12, bf16_flops=990e12, l2_bytes=52428800,
+                 memory_bytes=150754820096, sms=132, copy_bytes_per_s=4.3e12, gemm_flops=790e12,
+                 eight_bit_flops=1580e12),
+    # ~90% of the spec bandwidth and ~76% of the spec FLOPs, as measured on the H200.
+    "h100": Chip("h100", "NVIDIA H100 80GB HBM3", hbm_bytes_per_s=3.35e12, bf16_flops=990e12, l2_bytes=52428800,
+                 memory_bytes=85520809984, sms=132, copy_bytes_per_s=3.0e12, gemm_flops=750e12,
+                 eight_bit_flops=1500e12),
+}
+DEFAULT = "h200"
+
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("dinfer_jax_target_chip", default=None)
+
+
+@contextlib.contextmanager
+def target(key: str):
+  """Tune kernels for chip `key` while tracing (a deviceless compile for it: the roofline bench)."""
+  if key not in CHIPS:
+    raise ValueError(f"unknown chip {key!r}; choose from {', '.join(CHIPS)}")
+  tok = _TARGET.set(key)
+  try:
+    yield CHIPS[key]
+  finally:
+    _TARGET.reset(tok)
+
+
+def current() -> Chip:
+  """The chip kernels are tuned for: target()'s, else the first GPU's by its device kind, else the default
+  (the deviceless compiles and CPU runs, whose choices only matter for the GPU the program is made for)."""
+  key = _TARGET.get()
+  if key is not None:
+    return CHIPS[key]
+  devices = jax.devices()
+  if devices and devices[0].platform == "gpu":
+    kind = devices[0].device_kind
+    for chip in CHIPS.values():
+      if kind == chip.name or kind.startswith(chip.name):
+        return chip
+  return CHIPS[DEFAULT]
