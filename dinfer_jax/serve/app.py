@@ -122,123 +122,120 @@ class _BodyLimit:
     await send({"type": "http.response.body", "body": body.encode()})
 
 
-def create_app(model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
-  app = FastAPI(title="dinfer-jax", docs_url=None, redoc_url=None)
-  app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
+def unicode_text(text: str, param: str) -> str:
+  """text, if it can be encoded (JSON may carry a lone surrogate, "\\ud800", that no tokenizer takes)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise APIError(400, f"{param}: not valid Unicode text (a lone surrogate at character {e.start})",
+                   param=param) from None
+  return text
 
-  if cfg.api_key:
-    want = f"Bearer {cfg.api_key}".encode()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-      if request.url.path.startswith("/v1/") and not hmac.compare_digest(
-          request.headers.get("authorization", "").encode(), want):
-        metrics.request(request.url.path, 401)
-        return error_response(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                              "invalid_request_error", code="invalid_api_key")
-      return await call_next(request)
-  tok = model.tokenizer
-  task_names = trained_tasks(model)
+def stop_list(req: _Knobs) -> list[str]:
+  return [req.stop] if isinstance(req.stop, str) else (req.stop or [])
 
-  @app.exception_handler(RequestValidationError)
-  async def _invalid(request: Request, exc: RequestValidationError):
-    errs = exc.errors()
-    first = errs[0] if errs else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    msg = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":
-      msg = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', msg)})"
-      loc = []  # the location is a character offset, not a parameter
-    elif loc:
-      msg = f"{'.'.join(loc)}: {msg}"
-    metrics.request(request.url.path, 400)
-    return error_response(400, msg, param=".".join(loc) or None)
 
-  @app.exception_handler(StarletteHTTPException)
-  async def _http(request: Request, exc: StarletteHTTPException):  # unknown routes, wrong methods, bad bodies
-    metrics.request(request.url.path, exc.status_code)
-    text = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-    msg = text.get(exc.status_code) or (
-        "the request body could not be parsed (not UTF-8 JSON, or nested too deeply)" if exc.status_code == 400
-        else str(exc.detail))
-    return error_response(exc.status_code, msg, "not_found_error" if exc.status_code == 404
-                          else "invalid_request_error")
+def token_cap(req: _Knobs) -> int | None:
+  return req.max_completion_tokens or req.max_tokens
 
-  @app.exception_handler(APIError)
-  async def _api_error(request: Request, exc: APIError):
-    metrics.request(request.url.path, exc.status)
-    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
 
-  @app.exception_handler(Exception)
-  async def _unexpected(request: Request, exc: Exception):  # never a bare 500 page or a dead server
-    metrics.request(request.url.path, 500)
-    return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+def usage(prompt_tokens: int, outs: Sequence[tuple]) -> dict[str, Any]:
+  """OpenAI's usage block; outs are finish() results (their third item the answer's tokens)."""
+  ntok = sum(len(o[2]) for o in outs)
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": ntok, "total_tokens": prompt_tokens + ntok}
 
-  @app.get("/health")
-  async def health():
-    return {"status": "ok", "model": cfg.model_name, "queue_depth": batcher.depth}
 
-  @app.get("/metrics")
-  async def prom():
-    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+class Service:
+  """What the routes do, without HTTP: request validation, prompt encoding, queueing on the batcher, waiting,
+  and the answers' text. One per app (create_app)."""
 
-  @app.get("/v1/models")
-  async def models():
-    return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                         "owned_by": "dinfer-jax"}]}
+  def __init__(self, model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig):
+    self.model, self.batcher, self.metrics, self.cfg = model, batcher, metrics, cfg
+    self.tok = model.tokenizer
+    self.task_names = trained_tasks(model)
 
-  def request_config(req: _Knobs, prompt: Sequence[int]) -> GenerationConfig:
+  # ------------------------------------------------------------------ validation and encoding
+  def request_config(self, req: _Knobs, prompt: Sequence[int]) -> GenerationConfig:
+    """The prompt's GenerationConfig: the server's defaults (the model's prompt rule for it), the request's
+    token cap and temperature; APIError for what the request gets wrong."""
+    cfg, mcfg = self.cfg, self.model.config
     if req.model != cfg.model_name:
       raise APIError(404, f"model {req.model!r} does not exist; this server serves {cfg.model_name!r}",
                      param="model", code="model_not_found")
     base = cfg.config_for(prompt) if cfg.config_for is not None else cfg.gcfg
-    cap = req.max_completion_tokens or req.max_tokens
-    if cap is not None and cap > model.config.max_position:
+    cap = token_cap(req)
+    if cap is not None and cap > mcfg.max_position:
       name = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-      raise APIError(400, f"{name}: {cap} is more than the model's context ({model.config.max_position} "
-                     "positions)", param=name)
+      raise APIError(400, f"{name}: {cap} is more than the model's context ({mcfg.max_position} positions)",
+                     param=name)
     g = with_token_cap(base, cap)
     if req.temperature is not None:
       g = g.replace(temperature=float(req.temperature))
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    stops = stop_list(req)
     if len(stops) > 4 or any(not s for s in stops):
       raise APIError(400, "stop: at most 4 non-empty stop sequences", param="stop")
     return g
 
-  def unicode_text(text: str, param: str) -> str:
-    try:
-      text.encode("utf-8")
-    except UnicodeEncodeError as e:  # JSON may carry a lone surrogate ("\ud800"); no tokenizer takes it
-      raise APIError(400, f"{param}: not valid Unicode text (a lone surrogate at character {e.start})",
-                     param=param) from None
-    return text
-
-  def encode_text(text: str) -> list[int]:
-    if tok is None:
-      raise APIError(400, f"model {cfg.model_name!r} has no tokenizer: send prompts as token-id lists",
+  def encode_text(self, text: str) -> list[int]:
+    if self.tok is None:
+      raise APIError(400, f"model {self.cfg.model_name!r} has no tokenizer: send prompts as token-id lists",
                      param="prompt")
-    return tok.encode(unicode_text(text, "prompt"), add_special_tokens=False)
+    return self.tok.encode(unicode_text(text, "prompt"), add_special_tokens=False)
 
-  def token_ids(ids: list[int]) -> list[int]:
-    V = model.config.vocab_size
+  def token_ids(self, ids: list[int]) -> list[int]:
+    V = self.model.config.vocab_size
     bad = next((x for x in ids if not 0 <= x < V), None)
     if bad is not None:
       raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {V})", param="prompt")
     return list(ids)
 
-  def decode(ids) -> str:
-    if tok is None:
-      return " ".join(str(i) for i in ids)
-    return tok.decode(list(ids), skip_special_tokens=True)
+  def completion_prompts(self, p) -> list[list[int]]:
+    """/v1/completions' prompt field -> token-id prompts."""
+    if isinstance(p, str):
+      prompts = [self.encode_text(p)]
+    elif p and all(isinstance(x, int) for x in p):
+      prompts = [self.token_ids(p)]
+    elif p and all(isinstance(x, str) for x in p):
+      prompts = [self.encode_text(x) for x in p]
+    elif p and all(isinstance(x, list) for x in p):
+      prompts = [self.token_ids(x) for x in p]
+    else:
+      raise APIError(400, "prompt: a string, a list of strings, a token-id list or a list of token-id lists",
+                     param="prompt")
+    if any(len(x) == 0 for x in prompts):
+      raise APIError(400, "prompt: empty prompt", param="prompt")
+    return prompts
 
-  def check(prompt: list[int], g: GenerationConfig, req: _Knobs, param: str) -> None:
+  def chat_prompt(self, messages) -> list[int]:
+    """/v1/chat/completions' messages -> one prompt, through the model's chat template."""
+    if self.tok is None or not getattr(self.tok, "chat_template", None):
+      raise APIError(400, f"model {self.cfg.model_name!r} has no chat template; use /v1/completions",
+                     param="messages")
+    msgs = [{"role": m.role, "content": unicode_text(m.content, f"messages[{i}].content")}
+            for i, m in enumerate(messages)]
     try:
-      batcher.validate(prompt, g, req.n)
+      text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - the template itself refuses (e.g. roles out of order)
+      raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+    return self.tok.encode(text, add_special_tokens=False)
+
+  def check(self, prompt: list[int], g: GenerationConfig, req: _Knobs, param: str) -> None:
+    try:
+      self.batcher.validate(prompt, g, req.n)
     except ValueError as e:
       code = "context_length_exceeded" if "max_position" in str(e) else None
       raise APIError(400, str(e).removeprefix("generate: "), param=param, code=code) from None
 
-  def submit(prompt: list[int], g: GenerationConfig, req: _Knobs, events: asyncio.Queue | None = None,
+  def configs(self, req: _Knobs, prompts: list[list[int]], param: str) -> list[GenerationConfig]:
+    """Per prompt (prompts may match different rules) its config, every prompt checked before any is queued."""
+    gs = [self.request_config(req, p) for p in prompts]
+    for p, g in zip(prompts, gs):
+      self.check(p, g, req, param)
+    return gs
+
+  # ------------------------------------------------------------------ the engine
+  def submit(self, prompt: list[int], g: GenerationConfig, req: _Knobs, events: asyncio.Queue | None = None,
              index: int = 0):
     """Queues one prompt; (job, future). With `events`, ("tokens", index, rows) arrive there as blocks are
     committed and ("done", index, result) at the end."""
@@ -261,32 +258,33 @@ def create_app(model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig) -> 
     seed = req.seed if req.seed is not None else (uuid.uuid4().int & 0x7FFFFFFF)
     job = Job(prompt=list(prompt), gcfg=g, on_done=done, n=req.n, seed=int(seed), on_tokens=on_tokens)
     try:
-      batcher.submit(job)
+      self.batcher.submit(job)
     except QueueFull as e:
       raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
     return job, fut
 
-  def submit_all(prompts, gs, req, events=None):
+  def submit_all(self, prompts, gs, req, events=None):
     jobs = []
     try:
       for i, (p, g) in enumerate(zip(prompts, gs)):
-        jobs.append(submit(p, g, req, events, i))
+        jobs.append(self.submit(p, g, req, events, i))
     except APIError:
       for j, _ in jobs:
         j.cancel()
       raise
     return jobs
 
-  async def wait(request: Request, job: Job, fut: asyncio.Future):
-    deadline = time.monotonic() + cfg.timeout_s
+  async def wait(self, disconnected: Callable[[], Any], job: Job, fut: asyncio.Future):
+    """The job's result; cancels it when the client leaves (`disconnected`, awaitable) or the timeout passes."""
+    deadline = time.monotonic() + self.cfg.timeout_s
     try:
       while not fut.done():
-        if await request.is_disconnected():  # nobody will read the answer: free its place in the queue
+        if await disconnected():  # nobody will read the answer: free its place in the queue
           job.cancel()
           raise APIError(499, "the client closed the request", code="client_closed")
         if time.monotonic() > deadline:
           job.cancel()
-          raise APIError(504, f"the request did not finish within {cfg.timeout_s:g}s", type="timeout_error",
+          raise APIError(504, f"the request did not finish within {self.cfg.timeout_s:g}s", type="timeout_error",
                          code="timeout")
         await asyncio.wait({fut}, timeout=0.05)
     except asyncio.CancelledError:
@@ -297,159 +295,226 @@ def create_app(model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig) -> 
       raise APIError(500, f"generation failed: {type(result).__name__}: {result}", type="server_error")
     return result
 
-  def finish(choice, req: _Knobs):
+  # ------------------------------------------------------------------ answers
+  def decode(self, ids) -> str:
+    if self.tok is None:
+      return " ".join(str(i) for i in ids)
+    return self.tok.decode(list(ids), skip_special_tokens=True)
+
+  def finish(self, choice, req: _Knobs) -> tuple[str, str, list[int]]:
     """(answer text, finish_reason, its tokens): cut to the token cap, then before a stop sequence."""
-    cap = req.max_completion_tokens or req.max_tokens
+    cap = token_cap(req)
     tokens = choice.tokens[:cap] if cap else choice.tokens
-    text, stopped = cut_at_stop(decode(tokens), [req.stop] if isinstance(req.stop, str) else req.stop)
+    text, stopped = cut_at_stop(self.decode(tokens), stop_list(req))
     ended = len(choice.tokens) < choice.gen_length  # the model wrote EOS
     reason = "stop" if stopped or (ended and (cap is None or len(choice.tokens) <= cap)) else "length"
     return text, reason, tokens
 
-  def usage(prompt_tokens: int, outs) -> dict[str, Any]:
-    ntok = sum(len(o[2]) for o in outs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": ntok, "total_tokens": prompt_tokens + ntok}
-
-  async def serve(request: Request, req: _Knobs, prompts: list[list[int]], chat: bool, param: str):
-    t0 = time.perf_counter()
-    gs = [request_config(req, p) for p in prompts]  # per prompt: prompts may match different rules
-    for p, g in zip(prompts, gs):  # every prompt is checked before any is queued
-      check(p, g, req, param)
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    created = int(time.time())
-    if req.stream:
-      return stream(request, req, gs, prompts, chat, rid, created, t0)
-    jobs = submit_all(prompts, gs, req)
-    results = await asyncio.gather(*(wait(request, j, f) for j, f in jobs))
-    outs = []
-    for p, choices in zip(prompts, results):
-      for c in choices:
-        outs.append(finish(c, req) + (c.row_nfe,))
-    ptoks = sum(len(p) for p in prompts)
+  def response(self, req: _Knobs, prompts, results, chat: bool, rid: str, created: int) -> dict[str, Any]:
+    """The non-streaming response body of the prompts' results (one list of choices per prompt)."""
+    outs = [self.finish(c, req) + (c.row_nfe,) for choices in results for c in choices]
     nfe = sum(o[3] for o in outs)
     stats = {"nfe": nfe, "tpf": (sum(len(o[2]) for o in outs) / nfe) if nfe else 0.0}
-    if task_names is not None:  # per prompt, the trained task it falls in (null: outside them: likely wrong)
-      stats["trained_task"] = prompt_tasks(model, task_names, prompts)
+    if self.task_names is not None:  # per prompt, the trained task it falls in (null: outside them: likely wrong)
+      stats["trained_task"] = prompt_tasks(self.model, self.task_names, prompts)
     if chat:
       ch = [{"index": i, "message": {"role": "assistant", "content": o[0]}, "finish_reason": o[1],
              "logprobs": None} for i, o in enumerate(outs)]
     else:
       ch = [{"index": i, "text": o[0], "finish_reason": o[1], "logprobs": None} for i, o in enumerate(outs)]
-    metrics.request(request.url.path, 200, time.perf_counter() - t0)
-    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                         "created": created, "model": cfg.model_name, "choices": ch,
-                         "usage": usage(ptoks, outs), "dinfer": stats})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": self.cfg.model_name, "choices": ch, "usage": usage(sum(len(p) for p in prompts), outs),
+            "dinfer": stats}
 
-  def stream(request: Request, req: _Knobs, gs: list[GenerationConfig], prompts, chat: bool, rid: str, created: int,
-             t0: float) -> StreamingResponse:
-    """Server-sent events as blocks are committed inside the running engine program: each event carries
-    the answer's newly settled text (see answer.settled_prefix); the last one per choice its finish_reason."""
-    events: asyncio.Queue = asyncio.Queue()
-    jobs = submit_all(prompts, gs, req, events)  # a full queue is still a plain 429
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    cap = req.max_completion_tokens or req.max_tokens
-    n = req.n
+  async def serve(self, request: Request, req: _Knobs, prompts: list[list[int]], chat: bool, param: str):
+    t0 = time.perf_counter()
+    gs = self.configs(req, prompts, param)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if req.stream:
+      events: asyncio.Queue = asyncio.Queue()
+      jobs = self.submit_all(prompts, gs, req, events)  # a full queue is still a plain 429
+      sse = SSEStream(self, req, len(prompts), chat, rid, created, events, jobs)
+      return StreamingResponse(sse.run(request.is_disconnected, request.url.path, t0),
+                               media_type="text/event-stream")
+    jobs = self.submit_all(prompts, gs, req)
+    results = await asyncio.gather(*(self.wait(request.is_disconnected, j, f) for j, f in jobs))
+    body = self.response(req, prompts, results, chat, rid, created)
+    self.metrics.request(request.url.path, 200, time.perf_counter() - t0)
+    return JSONResponse(body)
 
-    def event(i, piece, reason, first=False):
-      if chat:
-        delta = ({"role": "assistant", "content": ""} if first else {}) if piece is None else {"content": piece}
-        c = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
-      else:
-        c = {"index": i, "text": piece or "", "finish_reason": reason, "logprobs": None}
-      return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": cfg.model_name,
-                                    "choices": [c]}) + "\n\n"
 
-    def error_event(status, message, type_):
-      return "data: " + json.dumps({"error": {"message": message, "type": type_, "param": None,
-                                              "code": status}}) + "\n\n"
+class SSEStream:
+  """Server-sent events as blocks are committed inside the running engine program: each event carries the
+  answer's newly settled text (answer.settled_prefix); the last one per choice its finish_reason. `events`
+  receives the jobs' ("tokens", prompt index, rows) and ("done", prompt index, result) (Service.submit)."""
 
-    async def events_gen():
-      sent = [""] * (len(prompts) * n)
-      done = set()
-      remaining = len(prompts)
-      deadline = time.monotonic() + cfg.timeout_s
-      try:
-        if chat:
-          for i in range(len(sent)):
-            yield event(i, None, None, first=True)
-        while remaining:
-          if await request.is_disconnected():
-            return
-          if time.monotonic() > deadline:
-            metrics.request(request.url.path, 504)
-            yield error_event(504, f"the request did not finish within {cfg.timeout_s:g}s", "timeout_error")
-            return
-          try:
-            kind, k, payload = await asyncio.wait_for(events.get(), 0.05)
-          except asyncio.TimeoutError:
-            continue
-          if kind == "tokens":
-            rows = payload if len(payload) == n else payload * n  # greedy: one row serves every choice
-            for c, toks in enumerate(rows):
-              i = k * n + c
-              text = settled_prefix(decode(toks[:cap] if cap else toks), stops)
-              if i not in done and len(text) > len(sent[i]) and text.startswith(sent[i]):
-                yield event(i, text[len(sent[i]):], None)
-                sent[i] = text
-            continue
-          remaining -= 1
-          if isinstance(payload, BaseException):
-            metrics.request(request.url.path, 500)
-            yield error_event(500, f"generation failed: {type(payload).__name__}: {payload}", "server_error")
-            return
-          for c, choice in enumerate(payload):
-            i = k * n + c
-            text, reason, _ = finish(choice, req)
-            if len(text) > len(sent[i]) and text.startswith(sent[i]):
-              yield event(i, text[len(sent[i]):], None)
-            yield event(i, None, reason)
-            done.add(i)
-        yield "data: [DONE]\n\n"
-        metrics.request(request.url.path, 200, time.perf_counter() - t0)
-      finally:
-        for j, _ in jobs:  # finished jobs ignore it; queued ones of a client that left are dropped
-          j.cancel()
+  def __init__(self, service: Service, req: _Knobs, n_prompts: int, chat: bool, rid: str, created: int,
+               events: asyncio.Queue, jobs: list):
+    self.service, self.req, self.chat, self.rid, self.created = service, req, chat, rid, created
+    self.events, self.jobs, self.n_prompts = events, jobs, n_prompts
+    self.sent = [""] * (n_prompts * req.n)  # per choice, the text sent so far
+    self.done: set[int] = set()
 
-    return StreamingResponse(events_gen(), media_type="text/event-stream")
+  def event(self, i: int, piece: str | None, reason: str | None, first: bool = False) -> str:
+    if self.chat:
+      delta = ({"role": "assistant", "content": ""} if first else {}) if piece is None else {"content": piece}
+      c = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+    else:
+      c = {"index": i, "text": piece or "", "finish_reason": reason, "logprobs": None}
+    return "data: " + json.dumps({"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                                  "created": self.created, "model": self.service.cfg.model_name,
+                                  "choices": [c]}) + "\n\n"
+
+  @staticmethod
+  def error_event(status: int, message: str, type_: str) -> str:
+    return "data: " + json.dumps({"error": {"message": message, "type": type_, "param": None,
+                                            "code": status}}) + "\n\n"
+
+  def on_tokens(self, k: int, payload) -> list[str]:
+    """Events for prompt k's rows committed so far: each choice's newly settled text."""
+    n, cap = self.req.n, token_cap(self.req)
+    rows = payload if len(payload) == n else payload * n  # greedy: one row serves every choice
+    out = []
+    for c, toks in enumerate(rows):
+      i = k * n + c
+      text = settled_prefix(self.service.decode(toks[:cap] if cap else toks), stop_list(self.req))
+      if i not in self.done and len(text) > len(self.sent[i]) and text.startswith(self.sent[i]):
+        out.append(self.event(i, text[len(self.sent[i]):], None))
+        self.sent[i] = text
+    return out
+
+  def on_done(self, k: int, payload) -> list[str]:
+    """Events for prompt k's finished choices: what is left of each answer, then its finish_reason."""
+    out = []
+    for c, choice in enumerate(payload):
+      i = k * self.req.n + c
+      text, reason, _ = self.service.finish(choice, self.req)
+      if len(text) > len(self.sent[i]) and text.startswith(self.sent[i]):
+        out.append(self.event(i, text[len(self.sent[i]):], None))
+      out.append(self.event(i, None, reason))
+      self.done.add(i)
+    return out
+
+  async def run(self, disconnected: Callable[[], Any], path: str, t0: float):
+    """The event stream; the jobs are cancelled when it ends however it ends (finished ones ignore it; queued
+    ones of a client that left are dropped)."""
+    metrics, timeout_s = self.service.metrics, self.service.cfg.timeout_s
+    remaining, deadline = self.n_prompts, time.monotonic() + timeout_s
+    try:
+      if self.chat:
+        for i in range(len(self.sent)):
+          yield self.event(i, None, None, first=True)
+      while remaining:
+        if await disconnected():
+          return
+        if time.monotonic() > deadline:
+          metrics.request(path, 504)
+          yield self.error_event(504, f"the request did not finish within {timeout_s:g}s", "timeout_error")
+          return
+        try:
+          kind, k, payload = await asyncio.wait_for(self.events.get(), 0.05)
+        except asyncio.TimeoutError:
+          continue
+        if kind == "tokens":
+          for e in self.on_tokens(k, payload):
+            yield e
+          continue
+        remaining -= 1
+        if isinstance(payload, BaseException):
+          metrics.request(path, 500)
+          yield self.error_event(500, f"generation failed: {type(payload).__name__}: {payload}", "server_error")
+          return
+        for e in self.on_done(k, payload):
+          yield e
+      yield "data: [DONE]\n\n"
+      metrics.request(path, 200, time.perf_counter() - t0)
+    finally:
+      for j, _ in self.jobs:
+        j.cancel()
+
+
+# ----------------------------------------------------------------------------- HTTP
+
+async def _invalid(request: Request, exc: RequestValidationError):
+  errs = exc.errors()
+  first = errs[0] if errs else {}
+  loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+  msg = first.get("msg", "invalid request")
+  if first.get("type") == "json_invalid":
+    msg = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', msg)})"
+    loc = []  # the location is a character offset, not a parameter
+  elif loc:
+    msg = f"{'.'.join(loc)}: {msg}"
+  request.app.state.service.metrics.request(request.url.path, 400)
+  return error_response(400, msg, param=".".join(loc) or None)
+
+
+async def _http(request: Request, exc: StarletteHTTPException):  # unknown routes, wrong methods, bad bodies
+  request.app.state.service.metrics.request(request.url.path, exc.status_code)
+  text = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+  msg = text.get(exc.status_code) or (
+      "the request body could not be parsed (not UTF-8 JSON, or nested too deeply)" if exc.status_code == 400
+      else str(exc.detail))
+  return error_response(exc.status_code, msg, "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+
+async def _api_error(request: Request, exc: APIError):
+  request.app.state.service.metrics.request(request.url.path, exc.status)
+  return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+
+async def _unexpected(request: Request, exc: Exception):  # never a bare 500 page or a dead server
+  request.app.state.service.metrics.request(request.url.path, 500)
+  return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+
+def _auth_middleware(api_key: str):
+  want = f"Bearer {api_key}".encode()
+
+  async def auth(request: Request, call_next):
+    if request.url.path.startswith("/v1/") and not hmac.compare_digest(
+        request.headers.get("authorization", "").encode(), want):
+      request.app.state.service.metrics.request(request.url.path, 401)
+      return error_response(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                            "invalid_request_error", code="invalid_api_key")
+    return await call_next(request)
+  return auth
+
+
+def create_app(model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
+  """The FastAPI app: routes that hand each request to a Service (app.state.service)."""
+  app = FastAPI(title="dinfer-jax", docs_url=None, redoc_url=None)
+  app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
+  if cfg.api_key:
+    app.middleware("http")(_auth_middleware(cfg.api_key))
+  svc = app.state.service = Service(model, batcher, metrics, cfg)
+  for exc, handler in ((RequestValidationError, _invalid), (StarletteHTTPException, _http), (APIError, _api_error),
+                       (Exception, _unexpected)):
+    app.add_exception_handler(exc, handler)
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok", "model": cfg.model_name, "queue_depth": batcher.depth}
+
+  @app.get("/metrics")
+  async def prom():
+    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
+                                         "owned_by": "dinfer-jax"}]}
 
   @app.post("/v1/completions")
   async def completions(request: Request, req: CompletionRequest):
     # Tokenising a few MB takes a while: off the event loop, so /health and the other requests go on.
-    prompts = await asyncio.to_thread(completion_prompts, req.prompt)
-    return await serve(request, req, prompts, chat=False, param="prompt")
-
-  def completion_prompts(p) -> list[list[int]]:
-    if isinstance(p, str):
-      prompts = [encode_text(p)]
-    elif p and all(isinstance(x, int) for x in p):
-      prompts = [token_ids(p)]
-    elif p and all(isinstance(x, str) for x in p):
-      prompts = [encode_text(x) for x in p]
-    elif p and all(isinstance(x, list) for x in p):
-      prompts = [token_ids(x) for x in p]
-    else:
-      raise APIError(400, "prompt: a string, a list of strings, a token-id list or a list of token-id lists",
-                     param="prompt")
-    if any(len(x) == 0 for x in prompts):
-      raise APIError(400, "prompt: empty prompt", param="prompt")
-    return prompts
+    prompts = await asyncio.to_thread(svc.completion_prompts, req.prompt)
+    return await svc.serve(request, req, prompts, chat=False, param="prompt")
 
   @app.post("/v1/chat/completions")
   async def chat(request: Request, req: ChatRequest):
-    if tok is None or not getattr(tok, "chat_template", None):
-      raise APIError(400, f"model {cfg.model_name!r} has no chat template; use /v1/completions",
-                     param="messages")
-    ids = await asyncio.to_thread(chat_prompt, req.messages)  # off the event loop, as completions
-    return await serve(request, req, [ids], chat=True, param="messages")
-
-  def chat_prompt(messages) -> list[int]:
-    msgs = [{"role": m.role, "content": unicode_text(m.content, f"messages[{i}].content")}
-            for i, m in enumerate(messages)]
-    try:
-      text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # the template itself refuses (e.g. roles out of order)
-      raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
-    return tok.encode(text, add_special_tokens=False)
+    ids = await asyncio.to_thread(svc.chat_prompt, req.messages)  # off the event loop, as completions
+    return await svc.serve(request, req, [ids], chat=True, param="messages")
 
   return app
