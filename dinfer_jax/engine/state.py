@@ -56,15 +56,15 @@ class Counters:
   (refresh, warm-up, no cache) and cached window forwards; n_window [W]: cached forwards per prefix-cache
   window width (layout.Grid.windows; one unused slot in the other modes).
   """
-  nfe: jax.Array = axes(REPLICATED)
-  n_full: jax.Array = axes(REPLICATED)
   n_cached: jax.Array = axes(REPLICATED)
+  n_full: jax.Array = axes(REPLICATED)
   n_window: jax.Array = axes(REPLICATED)
+  nfe: jax.Array = axes(REPLICATED)
 
   @classmethod
   def zeros(cls, windows: int) -> "Counters":
     z = jnp.zeros((), jnp.int32)
-    return cls(z, z, z, jnp.zeros((max(windows, 1),), jnp.int32))
+    return cls(n_cached=z, n_full=z, n_window=jnp.zeros((max(windows, 1),), jnp.int32), nfe=z)
 
 
 @flax.struct.dataclass
@@ -77,14 +77,16 @@ class GenState:
   emb [B, Tc, D]: smoothing's soft embeddings (None without smoothing); cache: the KV cache, one buffer per
   layer (None without a cache).
   """
+  # (The field order is the loop carry's tuple order, which XLA's fusion passes see: kept as it was when the
+  # carry was a dict, keys sorted, so the compiled program stays the same.)
+  block: jax.Array = axes(ROWS)
+  cache: KVCache | None = axes(CACHE)
   canvas: jax.Array = axes(CANVAS_AXES)
   commit: jax.Array = axes(CANVAS_AXES)
-  n: jax.Array = axes(ROW_AXES)
   done: jax.Array = axes(ROW_AXES)
-  block: jax.Array = axes(ROWS)
-  counters: Counters = axes(NESTED)
   emb: jax.Array | None = axes(EMBED_AXES)
-  cache: KVCache | None = axes(CACHE)
+  n: jax.Array = axes(ROW_AXES)
+  counters: Counters = axes(NESTED)
 
 
 @flax.struct.dataclass
