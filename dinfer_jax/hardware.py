@@ -3,7 +3,7 @@
 Each entry holds the spec sheet (the ideal roofline and the deviceless compile target) and what was measured
 or derived on such a chip (the realistic model's rates and the grouped GEMM's tile choice). Sources:
 NVIDIA's H100/H200 SXM data sheets for the specs; the achievable rates are the measured ones of
-docs/gpu.md (a device-to-device copy, a large bf16 cuBLAS GEMM).
+docs/design.md, "GPU charges" (a device-to-device copy, a large bf16 cuBLAS GEMM).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Throughput bookkeeping with one set of counting rules (decoding.md, Decisions §8), kept free of jax.
+"""Throughput bookkeeping with one set of counting rules (docs/design.md, D10), kept free of jax.
 
 - tokens of a sequence: its generated tokens before the first EOS (engine.generate.count_generated);
 - NFE: every model forward a call executes (a forward batched over rows counts once), refresh, prefill and

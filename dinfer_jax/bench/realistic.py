@@ -1,7 +1,7 @@
 """What a real GPU charges beyond the ideal roofline, read from a compiled (optimised) HLO module.
 
 The ideal roofline (bench.roofline) divides a forward's bytes and FLOPs by the chip's spec peaks. A real H200
-also charges (../reference/gpu_roofline.md has the measurements and the audit these come from):
+also charges (docs/design.md, "GPU charges", and hardware.py for the rates):
 - achievable peaks: about 4.3 TB/s for a device-to-device copy and 790 TFLOP/s for a large bf16 GEMM;
 - a floor per kernel: XLA runs a module as a sequence of kernels (fusions, custom calls, copies). Each costs
   its launch and ramp/tail, 2-3 us on its own, less inside a CUDA graph (XLA captures runs of at least

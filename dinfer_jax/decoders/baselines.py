@@ -41,7 +41,7 @@ def num_transfer_tokens(num_masked: jax.Array, step: jax.Array, steps: int) -> j
 @register("fixed_steps")
 @dataclasses.dataclass(frozen=True)
 class FixedStepsDecoder(Decoder):
-  """LLaDA's low-confidence schedule (§1): step i commits the n_i most confident masked positions.
+  """LLaDA's low-confidence schedule (docs/design.md, D5): step i commits the n_i most confident masked positions.
 
   n_i = floor(m/S) + [i < m mod S] with m the block's masks per row at its first step. Ties in confidence
   go to the lower index (lax.top_k order). As in LLaDA, x0 == MASK is not excluded from the ranking,
@@ -112,7 +112,7 @@ class FixedStepsDecoder(Decoder):
 @register("fastdllm")
 @dataclasses.dataclass(frozen=True)
 class FastDLLMDecoder(Decoder):
-  """Fast-dLLM's threshold rule (§2b): the top-1 masked position plus every masked c >= threshold.
+  """Fast-dLLM's threshold rule (docs/design.md, D5): the top-1 masked position plus every masked c >= threshold.
 
   The top-1 is the most confident masked position, lower index on ties. Unlike dInfer's rule there is
   no 1e-5 tolerance and x0 == MASK is not excluded, but a committed position gets the best non-MASK

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-# dInfer's tie tolerance: a row commits everything within this distance of its best confidence (§2a).
+# dInfer's tie tolerance: a row commits everything within this distance of its best confidence (docs/design.md, D2).
 TIE_TOLERANCE = 1e-5
 # dInfer's lower clamp on the per-row threshold; with no candidate (max = -inf) nothing reaches it.
 TAU_FLOOR = -1000.0
@@ -80,7 +80,7 @@ def propose(logits: jax.Array, *, mask_id: int, temperature: float = 0.0,
 
   temperature 0 is a pure argmax (first index on ties, no noise). temperature > 0 takes the argmax of
   logits + temperature * Gumbel(rng), i.e. a sample from softmax(logits / temperature); the noise only
-  chooses the token, the confidence stays the un-tempered softmax (Decisions §10).
+  chooses the token, the confidence stays the un-tempered softmax (docs/design.md, D12).
 
   Args:
     logits: [B, L, V] logits of the block (cast to fp32).
@@ -142,7 +142,7 @@ def first_argmax(values: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def threshold_rule(conf: jax.Array, candidate: jax.Array, threshold: jax.Array) -> jax.Array:
-  """dInfer's threshold selection (§2a) on [B, L]: commit c >= clamp(max c - 1e-5, -1000, threshold).
+  """dInfer's threshold selection (docs/design.md, D2) on [B, L]: commit c >= clamp(max c - 1e-5, -1000, threshold).
 
   So a row commits every candidate >= threshold when its best clears threshold + 1e-5, and otherwise
   its best together with every candidate within 1e-5 of it.
@@ -163,7 +163,7 @@ def threshold_rule(conf: jax.Array, candidate: jax.Array, threshold: jax.Array) 
 
 
 def stall_guard(commit: jax.Array, masked: jax.Array, alt_conf: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Forces one commit in rows that still have masks but would commit nothing (Decisions §2).
+  """Forces one commit in rows that still have masks but would commit nothing (docs/design.md, D2).
 
   dInfer would loop forever there (e.g. every masked argmax is MASK). The forced position is the
   row's masked position whose best non-MASK token is most probable (first index on ties).
@@ -198,7 +198,7 @@ def write_tokens(tokens: jax.Array, commit: jax.Array, prop: Proposal, mask_id: 
 def threshold_decode(logits: jax.Array, tokens: jax.Array, maskable: jax.Array, *, mask_id: int,
                      threshold: jax.Array, temperature: float,
                      rng: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """dInfer's threshold decoder step (§2a) plus the stall guard, on already-fused logits.
+  """dInfer's threshold decoder step (docs/design.md, D2) plus the stall guard, on already-fused logits.
 
   Args:
     logits: [B, L, V] logits (cast to fp32).

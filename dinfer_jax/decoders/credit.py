@@ -1,4 +1,4 @@
-"""dInfer's credit decoder (§4): threshold decoding on logits boosted by decayed past argmax credit."""
+"""dInfer's credit decoder (docs/design.md, D4): threshold decoding on logits boosted by decayed past argmax credit."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +37,7 @@ class CreditKnobs(Knobs):
 @register("credit")
 @dataclasses.dataclass(frozen=True)
 class CreditDecoder(Decoder):
-  """Threshold decoding (§2a + stall guard) on z' = z + alpha·log1p(C).
+  """Threshold decoding (D2, with the stall guard) on z' = z + alpha·log1p(C).
 
   Every step: C ← beta·C (except the block's first step); p = softmax(fp32 z);
   C[l, argmax p_l] += mask_l · (max p_l)^gamma; then both x0 and its confidence come from z'. A token

@@ -1,4 +1,4 @@
-"""dInfer's hierarchical decoder (§3a) for any batch size: at most the best token of each masked run."""
+"""dInfer's hierarchical decoder (docs/design.md, D3) for any batch size: at most the best token of each masked run."""
 from __future__ import annotations
 
 import dataclasses

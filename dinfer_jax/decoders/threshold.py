@@ -1,4 +1,4 @@
-"""dInfer's threshold parallel decoder (§2a) with a guard against rows that would commit nothing."""
+"""dInfer's threshold parallel decoder (docs/design.md, D2) with a guard against rows that would commit nothing."""
 from __future__ import annotations
 
 import dataclasses

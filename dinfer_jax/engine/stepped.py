@@ -1,4 +1,4 @@
-"""The decoding loop driven step by step from Python, batch 1 (decoding.md, "Decisions for dinfer-jax").
+"""The decoding loop driven step by step from Python, batch 1 (docs/design.md).
 
 Two uses, one copy of the logic:
 - the tests' plain reference (`reference_generate`, runner REFERENCE): written independently of the engine
@@ -12,7 +12,7 @@ Two uses, one copy of the logic:
   shape, cached), a jitted decoder step, only the block's logits computed when no smoothing needs the
   others, and a host sync every step (the `while block has masks` test reads the canvas on the host).
 
-Semantics (decoding.md §0-§7, with the Decisions):
+Semantics (docs/design.md, D1-D9):
 - canvas x = prompt | MASK * G, T = P + G; blocks [s, min(s + B, T)) from s0 = P (or floor(P / B) * B with
   start_block_align) while s < T;
 - a block runs until it has no masks; NFE counts every forward; commit steps are 1-based forward indices;
@@ -64,7 +64,7 @@ class RefResult:
 # ----------------------------------------------------------------------------- decoders
 
 class _FixedSteps:
-  """LLaDA's low-confidence schedule (decoding.md §1), written out: n_i = floor(m/S) + [i < m mod S]
+  """LLaDA's low-confidence schedule (docs/design.md, D5), written out: n_i = floor(m/S) + [i < m mod S]
   (the remainder goes to the earliest steps), commit the n_i most confident masked positions (lower
   index first on ties), m counted at the block's first step."""
 
@@ -105,7 +105,7 @@ def make_decoder(gcfg, vocab_size: int, *, independent_fixed_steps: bool = True)
 # ----------------------------------------------------------------------------- how the model and decoder run
 
 def _soft(table, tokens: np.ndarray, logits, mask_id: int, w: float) -> np.ndarray:
-  """E[x] + w * softmax(z) @ E where x is MASK, E[x] elsewhere (decoding.md §5, H2Embed, tau 1); an 8-bit
+  """E[x] + w * softmax(z) @ E where x is MASK, E[x] elsewhere (docs/design.md, D6); an 8-bit
   table is dequantised first."""
   E = jnp.asarray(quant.dequantize(table, table.dtype))
   base = E[jnp.asarray(tokens)]

@@ -1,6 +1,6 @@
 """The pure forward pass: embed -> the layers (unrolled, or lax.scan over the stack) -> final norm -> fp32 logits.
 
-One function serves every forward the engine needs (model.md §4):
+One function serves every forward the engine needs (docs/design.md, "Model"):
 - full forward (no cache): keys are the T inputs; returns their K/V (a cache refresh);
 - slice forward: the T inputs sit at canvas positions [cache_start, cache_start + T); their fresh K/V
   replace the cached ones there (where write_mask allows) and attention runs over all S cached keys.

@@ -9,7 +9,7 @@ from dinfer_jax.checkpoint.hf import HFCheckpoint
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model.params import abstract_params, count_params
 
-# HF config.json contents of the released models (reference/model.md §1), as the converter sees them.
+# HF config.json contents of the released models (their model cards), as the converter sees them.
 HF_CONFIGS = {
     "llada_moe_7b_a1b": {
         "model_type": "llada", "architectures": ["LLaDAMoEModelLM"], "vocab_size": 157184, "hidden_size": 2048,

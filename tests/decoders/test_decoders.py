@@ -113,11 +113,11 @@ def committed_set(committed, row=0):
   return set(np.flatnonzero(np.asarray(committed)[row]).tolist())
 
 
-# --- §2a threshold -------------------------------------------------------------------------------
+# --- D2 threshold ---------------------------------------------------------------------------------
 
 
 def test_threshold_worked_example_inclusive():
-  # decoding.md §2a, threshold 0.9: [0.97, (decoded), 0.55, 0.91, 0.90, 0.30] -> {0, 3, 4}.
+  # docs/design.md D2, threshold 0.9: [0.97, (decoded), 0.55, 0.91, 0.90, 0.30] -> {0, 3, 4}.
   logits, tokens, maskable = block([0.97, 0.5, 0.55, 0.91, 0.90, 0.30], decoded=[1], exact=[4])
   dec = D(ThresholdDecoder, threshold=0.9)
   new, committed, _ = jstep(dec, (), logits, tokens, maskable, threshold=0.9)
@@ -128,7 +128,7 @@ def test_threshold_worked_example_inclusive():
 
 
 def test_threshold_worked_example_tie_tolerance():
-  # §2a: [0.62, 0.6200004, 0.40] -> tau = 0.6200004 - 1e-5 -> {0, 1}.
+  # D2: [0.62, 0.6200004, 0.40] -> tau = 0.6200004 - 1e-5 -> {0, 1}.
   logits, tokens, maskable = block([0.62, 0.6200004, 0.40])
   _, committed, _ = jstep(D(ThresholdDecoder, threshold=0.9), (), logits, tokens, maskable)
   assert committed_set(committed) == {0, 1}
@@ -207,11 +207,11 @@ def test_never_commits_mask_and_always_progresses(dec):
     np.testing.assert_array_equal(committed.sum(-1), 1)
 
 
-# --- §3a hierarchy -------------------------------------------------------------------------------
+# --- D3 hierarchy ---------------------------------------------------------------------------------
 
 
 def test_hierarchy_worked_example_five_iterations():
-  # decoding.md §3a, low 0.4, high 0.9; fresh confidences each iteration (decoded slots: filler).
+  # docs/design.md D3, low 0.4, high 0.9; fresh confidences each iteration (decoded slots: filler).
   iters = [
       [.30, .55, .42, .20, .65, .35, .50, .25],
       [.35, .60, .45, .30, .20, .45, .70, .30],
@@ -258,11 +258,11 @@ def test_hierarchy_global_argmax_first_index():
   assert committed_set(committed) == {1}
 
 
-# --- §4 credit -----------------------------------------------------------------------------------
+# --- D4 credit -------------------------------------------------------------------------------------
 
 
 def test_credit_worked_example():
-  # decoding.md §4: p = 0.5 on the same token three times -> C = 0.871, 1.567, 2.124,
+  # docs/design.md D4: p = 0.5 on the same token three times -> C = 0.871, 1.567, 2.124,
   # boosts alpha*log1p(C) = 0.438, 0.660, 0.797, fused probability 0.608, 0.659, 0.689.
   # Position 1 (p = 0.95) commits every step, so position 0 is decided by its fused confidence
   # against threshold 0.68. The canvas is not written back, so position 0 stays masked.
@@ -319,7 +319,7 @@ def test_credit_can_flip_argmax():
   assert int(new[0, 0]) == 6
 
 
-# --- §1 fixed steps, §2b Fast-dLLM ---------------------------------------------------------------
+# --- D5 fixed steps, Fast-dLLM -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("m,s,want", [(10, 4, [3, 3, 2, 2]), (2, 4, [1, 1, 0, 0]), (8, 4, [2, 2, 2, 2]),
@@ -527,7 +527,7 @@ def _np_proposal(z):
 
 
 def ref_threshold(x0, alt, conf, alt_conf, masked, thr):
-  """dInfer §2a plus the stall guard, one row at a time in plain python on fp32 values."""
+  """dInfer's threshold rule (D2) plus the stall guard, one row at a time in plain python on fp32 values."""
   b, l = x0.shape
   commit = np.zeros((b, l), bool)
   token = x0.copy()
@@ -546,7 +546,7 @@ def ref_threshold(x0, alt, conf, alt_conf, masked, thr):
 
 
 def ref_hierarchy(conf, masked, thr, low):
-  """§3a with explicit runs, one row at a time."""
+  """The hierarchical rule (D3) with explicit runs, one row at a time."""
   b, l = conf.shape
   commit = np.zeros((b, l), bool)
   for r in range(b):

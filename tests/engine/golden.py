@@ -19,7 +19,7 @@ MODEL_DIRS = {
     "llada2": GOLDEN / "forward" / "tiny_llada2_moe",  # tiny LLaDA2-MoE
 }
 
-# dInfer's double refresh (decoding.md §6b quirk), which the engine deliberately does not copy (Decisions §6).
+# dInfer's double refresh, which the engine deliberately does not copy (docs/design.md, D7).
 DOUBLE_REFRESH = ("A/e_thr0.8_dual_vicinity4-4-2/p1", "A/h2_itersmooth0.3_thr0.9_dual_vicinity4-4-2/p0")
 
 

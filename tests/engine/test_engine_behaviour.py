@@ -226,3 +226,24 @@ def test_llada2_rejects_smoothing_and_vicinity(model_llada2):
     generate(model_llada2, [[1, 2, 3]], GenerationConfig(**OK, cache="prefix", cont_weight=0.3))
   with pytest.raises(ValueError, match="vicinity"):
     generate(model_llada2, [[1, 2, 3]], GenerationConfig(**OK, cache="dual", prefix_look=4))
+
+
+def test_skipping_the_owed_forward_moves_the_smoothing_schedule(model_a):
+  """docs/design.md D8: the default skips dInfer's cached step after a refresh that completed the block.
+  Without smoothing that keeps every token; with smoothing the skipped forward would have advanced the
+  schedule and soft-embedded the window past the block, so the canvas can differ (this prompt: 12 forwards
+  under dinfer_compat, 16 without). The plain reference loop agrees with the engine in both modes."""
+  from tests.engine.reference import reference_generate
+  params, cfg = model_a
+  g = trace_config(_case("A/h2_itersmooth0.3_thr0.9_dual_vicinity4-4-2/p1"))
+  prompt = [348, 11, 225, 364]
+  runs = {}
+  for smooth in (0.3, 0.0):
+    for compat in (True, False):
+      gc = g.replace(cont_weight=smooth, dinfer_compat=compat)
+      res = generate(model_a, [prompt], gc)
+      ref = reference_generate(params, cfg, prompt, gc)
+      assert (res.canvas[0], res.nfe) == (ref.canvas, ref.nfe), (smooth, compat)
+      runs[smooth, compat] = res
+  assert runs[0.3, True].canvas != runs[0.3, False].canvas
+  assert runs[0.0, True].canvas == runs[0.0, False].canvas and runs[0.0, False].nfe <= runs[0.0, True].nfe

@@ -233,7 +233,7 @@ DENSE_DEFAULT = {("hierarchy", "dual", False), ("threshold", "none", True)}
     pytest.param(*c, id="-".join([c[0], c[1], "smooth" if c[2] else "plain"]),
                  marks=() if c in DENSE_DEFAULT else pytest.mark.slow) for c in DENSE_ALL])
 def test_dense_batch3_rows_equal_reference(decoder, cache, smoothing):
-  """Dense LLaDA, smoothing included (dInfer cannot smooth dense models; we do, Decisions §5)."""
+  """Dense LLaDA, smoothing included (dInfer cannot smooth dense models; we do, docs/design.md D6)."""
   check_against_reference("dense", ROWS, make_config(decoder, cache, smoothing))
 
 

@@ -3,7 +3,7 @@
 Every non-excluded case of tests/golden/decode/{A,dense}/traces.json: the canvas (EOS fill included),
 commit_step and NFE must equal the trace (fp32, highest matmul precision: tests/conftest.py). Excluded: the
 unrolled x* extras (dInfer's maximum_unroll=4 behaviour, which the engine does not copy) and the two
-double-refresh cases (Decisions §6).
+double-refresh cases (docs/design.md, D7).
 
 Each engine case compiles one program (a few seconds on CPU), so the default run takes one case per
 configuration and set (rotating the prompt slots); `-m slow` runs all of them.
@@ -84,7 +84,7 @@ def test_reference_matches_trace(case):
 @pytest.mark.parametrize("name", DOUBLE_REFRESH)
 def test_double_refresh_cases_refresh_once(name):
   """Where dInfer refreshes block 1 twice (block 0 finished during the vicinity warm-up), the engine and the
-  reference refresh once per block entry (Decisions §6), agree with each other, and agree with the trace on
+  reference refresh once per block entry (docs/design.md, D7), agree with each other, and agree with the trace on
   every forward before dInfer's second refresh."""
   case = next(c for c in load_traces("A")["cases"] if c["name"] == name)
   gcfg = trace_config(case)
