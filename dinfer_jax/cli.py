@@ -3,13 +3,12 @@ commands share (model and generation flags, the model's defaults, prompt encodin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import importlib.metadata
 import json
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 from tqdm import tqdm
@@ -19,14 +18,8 @@ from dinfer_jax import cli_common, diagnostics, prompt_input
 from dinfer_jax.answer import cut_at_stop, with_token_cap
 from dinfer_jax.bench import cli as bench_cli
 from dinfer_jax.checkpoint import cli as checkpoint_cli
-from dinfer_jax.cli_common import (
-  decode_tokens,
-  encode_prompts,
-  generation_config,
-  knob_sources,
-  render_steps,
-  step_records,
-)
+from dinfer_jax.cli_common import (Command, decode_tokens, encode_prompts, generation_config, knob_sources,
+                                   render_steps, step_records)
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.evaluation import cli as eval_cli
 from dinfer_jax.serve import cli as serve_cli
@@ -169,15 +162,6 @@ def build_parser(model_defaults: dict[str, Any] | None = None, *, plugin_help: b
 # package registers under the "dinfer_jax.commands" entry point group (train_td's `train`, see pyproject.toml)
 # hands it to that package's CLI: the library never imports its plugins by name, yet an installed
 # (non-editable) dinfer-jax can convert and train.
-
-
-@dataclasses.dataclass(frozen=True)
-class Command:
-  """A delegated command: its help line, main(argv, prog) -> exit status, and the names of its own
-  subcommands (where a --model given before the command goes: after the subcommand)."""
-  help: str
-  main: Callable[[Sequence[str], str], int]
-  subcommands: tuple[str, ...] = ()
 
 
 def convert_main(argv: Sequence[str], prog: str = "dinfer-jax convert") -> int:

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import pathlib
 import sys
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from dinfer_jax import decoders, tasks
 from dinfer_jax.api import resolve_path
@@ -19,6 +19,17 @@ from dinfer_jax.checkpoint.errors import read_json_object
 from dinfer_jax.engine.config import CACHES, GenerationConfig
 from dinfer_jax.engine.programs import enable_disk_cache
 from dinfer_jax.model import quant
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  """A command `dinfer-jax` hands its whole command line to (convert, and those other packages register under
+  the "dinfer_jax.commands" entry points): its help line, main(argv, prog) -> exit status, and the names of
+  its own subcommands (where a --model given before the command goes: after the subcommand)."""
+  help: str
+  main: Callable[[Sequence[str], str], int]
+  subcommands: tuple[str, ...] = ()
+
 
 DTYPES = ("float32", "bfloat16")
 # Weight formats a model can be quantised to on load (model/quant.py: QuantConfig.parse); the per-channel

@@ -25,8 +25,8 @@ from typing import Sequence
 
 import jax
 
-from dinfer_jax.cli import Command
-from dinfer_jax.cli_common import DTYPES, QUANTIZE_CHOICES, add_generation_flags, add_model_flags, quantize_spec
+from dinfer_jax.cli_common import (DTYPES, QUANTIZE_CHOICES, Command, add_generation_flags, add_model_flags,
+                                   quantize_spec)
 from dinfer_jax.model.params import count_params
 from dinfer_jax.sharding import add_parallel_flags, setup_parallel
 from dinfer_jax.tasks.sandbox import SandboxError

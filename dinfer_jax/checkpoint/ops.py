@@ -9,18 +9,9 @@ from typing import Any
 import numpy as np
 
 from dinfer_jax.checkpoint import keymap
-from dinfer_jax.checkpoint.converted import (
-  PARAMS_DIR,
-  copy_aux_files,
-  is_converted_checkpoint,
-  norm_dtype,
-  orbax_metadata,
-  read_config_file,
-  read_meta,
-  restore_leaves_numpy,
-  save_converted,
-  write_config,
-)
+from dinfer_jax.checkpoint.converted import (PARAMS_DIR, copy_aux_files, is_converted_checkpoint, norm_dtype,
+                                             orbax_metadata, read_config_file, read_meta, restore_leaves_numpy,
+                                             save_converted, write_config)
 from dinfer_jax.checkpoint.errors import CheckpointError
 from dinfer_jax.checkpoint.hf import SCALE_SUFFIX, HFCheckpoint, is_hf_checkpoint
 from dinfer_jax.checkpoint.outdir import atomic_dir

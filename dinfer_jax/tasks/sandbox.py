@@ -3,7 +3,8 @@
 Everything a model writes is executed here and nowhere else: the verifiers in `dinfer_jax.tasks` never
 `eval` model output in-process. The module is stdlib-only on purpose: it doubles as the launcher script
 that runs inside the sandbox's namespaces (`python -I -S -B sandbox.py --launch CONFIG`), and it must be
-importable by a plain system interpreter (the non-root tests run it as `nobody`).
+loadable by its path under a plain system interpreter (the non-root tests run it so as `nobody`; the package
+above it needs jax).
 
 Process tree of one run:
 

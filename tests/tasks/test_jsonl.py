@@ -17,6 +17,7 @@ from dinfer_jax.engine.config import GenerationConfig
 from train_td import collect as collect_lib
 from train_td import evaluate, export as export_lib, prompting, td_data, td_train, trainer
 from dinfer_jax import tasks as tasks_lib
+from dinfer_jax.model import params as params_lib
 from dinfer_jax.tasks import base as tasks_base
 from dinfer_jax.tasks import jsonl
 
@@ -195,13 +196,13 @@ def test_td_run_and_export_on_a_dense_llada_base(tmp_path):
   assert saved["arch_from"] == str(base_dir) and "d_model" not in saved  # no train_td shape recorded
   assert trainer.load_train_config(tmp_path / "run").model_config().family == "llada"
   moved = [not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(out["params"]),
-                                                     jax.tree_util.tree_leaves(base.params))]
+                                                     jax.tree_util.tree_leaves(params_lib.stack_layers(base.params)))]
   assert any(moved)
 
   res = export_lib.export_run(tmp_path / "run", tmp_path / "td")
   td = dinfer_jax.load(tmp_path / "td")
   assert dataclasses.replace(td.config, moe_impl=base.config.moe_impl) == base.config
-  for a, b in zip(jax.tree_util.tree_leaves(td.params), jax.tree_util.tree_leaves(out["params"])):
+  for a, b in zip(jax.tree_util.tree_leaves(params_lib.stack_layers(td.params)), jax.tree_util.tree_leaves(out["params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   want = json.loads((base_dir / "config.json").read_text())
   assert json.loads((tmp_path / "td" / "config.json").read_text()) == dict(want, torch_dtype="float32")

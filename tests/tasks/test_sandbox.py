@@ -145,8 +145,12 @@ def test_escaped_background_process_killed(mode, run_uids):
 
 _CALLER = """
 import sys
-sys.path.insert(0, sys.argv[1])
-from dinfer_jax.tasks import sandbox
+# The sandbox is stdlib-only and loads by its path, as its launcher runs: the package (jax, numpy) is not
+# importable by this plain interpreter.
+import importlib.util
+_spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1] + "/dinfer_jax/tasks/sandbox.py")
+sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sandbox)
 sandbox.available_modes()  # the probe runs a sandboxed program too; get it out of the way
 sandbox._new_uid = lambda: int(sys.argv[3])  # the test looks for exactly this run's processes
 make_workdir = sandbox._new_workdir
@@ -341,8 +345,12 @@ def test_eval_expression_rejects_non_expressions_early(text, monkeypatch):
 
 _AS_NOBODY = r"""
 import json, socket, sys
-sys.path.insert(0, sys.argv[1])
-from dinfer_jax.tasks import sandbox
+# The sandbox is stdlib-only and loads by its path, as its launcher runs: the package (jax, numpy) is not
+# importable by this plain interpreter.
+import importlib.util
+_spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1] + "/dinfer_jax/tasks/sandbox.py")
+sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sandbox)
 programs = json.loads(sys.argv[2])
 out = {"modes": list(sandbox.available_modes()), "errors": sandbox._probe_errors, "runs": {}}
 server = socket.socket()

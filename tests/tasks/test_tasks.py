@@ -7,7 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from dinfer_jax.tasks import sandbox, tasks
+from dinfer_jax import tasks
+from dinfer_jax.tasks import sandbox
 from dinfer_jax.tasks import base
 
 ARITH = tasks.get_task("arithmetic")
