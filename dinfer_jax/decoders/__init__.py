@@ -9,9 +9,12 @@ from dinfer_jax.decoders.threshold import ThresholdDecoder
 from dinfer_jax.decoders.hierarchy import HierarchyDecoder, HierarchyKnobs
 from dinfer_jax.decoders.credit import CreditDecoder, CreditKnobs, CreditState
 from dinfer_jax.decoders.baselines import FastDLLMDecoder, FixedStepsDecoder, FixedStepsState
+from dinfer_jax.decoders.joint_threshold import JointThresholdDecoder, JointThresholdKnobs, JointThresholdState
+from dinfer_jax.decoders.entropy import EntropyDecoder, EntropyKnobs
 
 __all__ = [
-    "CreditDecoder", "CreditKnobs", "CreditState", "Decoder", "FastDLLMDecoder", "FixedStepsDecoder",
-    "FixedStepsState", "HierarchyDecoder", "HierarchyKnobs", "Knobs", "Proposal", "ThresholdDecoder",
-    "from_config", "get", "names", "propose", "register",
+    "CreditDecoder", "CreditKnobs", "CreditState", "Decoder", "EntropyDecoder", "EntropyKnobs", "FastDLLMDecoder",
+    "FixedStepsDecoder", "FixedStepsState", "HierarchyDecoder", "HierarchyKnobs", "JointThresholdDecoder",
+    "JointThresholdKnobs", "JointThresholdState", "Knobs", "Proposal", "ThresholdDecoder", "from_config", "get",
+    "names", "propose", "register",
 ]

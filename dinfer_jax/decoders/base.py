@@ -41,11 +41,18 @@ class Decoder:
     Knobs: the flax.struct of traced knobs, a subclass of base.Knobs; its fields are GenerationConfig fields.
     static_fields: GenerationConfig fields that change the compiled program (static dataclass fields of the
       decoder built by from_config); a config that sets one for another decoder is refused.
+    settles: the decoder says when a block is done (block_active), not "no mask left"; a block then ends
+      on a step that wrote nothing, so its last forward saw its final tokens.
+    edits: commits may rewrite decoded positions of the block (never the prompt or earlier blocks).
+    PRESETS: named sets of knob values (GenerationConfig fields), e.g. LLaDA2.1's S and Q modes.
   """
 
   name: ClassVar[str] = ""
   Knobs: ClassVar[type] = Knobs
   static_fields: ClassVar[tuple[str, ...]] = ()
+  settles: ClassVar[bool] = False
+  edits: ClassVar[bool] = False
+  PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
 
   # ------------------------------------------------------------------ construction from a config
   @classmethod
@@ -88,6 +95,15 @@ class Decoder:
     return cls.Knobs(**{k: scalar(getattr(gcfg, k)) for k in cls.knob_names()})
 
   # ------------------------------------------------------------------ the rule
+  def max_steps(self, block_len: int) -> int:
+    """The most steps a block can take (the loop's backstop is twice this, plus the cache's extra forwards)."""
+    return block_len
+
+  def block_active(self, state: PyTree, tokens: jax.Array, maskable: jax.Array, *, mask_id: int) -> jax.Array:
+    """Only for decoders that settle: [B] rows whose block is not done yet (tokens [B, L], maskable [B, L]
+    as in step)."""
+    raise NotImplementedError(f"{type(self).__name__} does not settle its blocks (settles=False)")
+
   def init_state(self, tokens: jax.Array, maskable: jax.Array) -> PyTree:
     """Fresh per-block state. tokens [B, L] int32 (the block's canvas slice); maskable [B, L] bool (positions
     of the block, False for padding past the canvas). Default: none."""

@@ -93,9 +93,12 @@ class JointThresholdDecoder(Decoder):
     return JointThresholdState(jnp.zeros((b, l), bool), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool),
                                jnp.zeros((), jnp.int32))
 
-  def block_active(self, state: JointThresholdState) -> jax.Array:
-    """[B]: rows whose block has not settled yet."""
-    return ~state.finished
+  def block_active(self, state: JointThresholdState, tokens: jax.Array, maskable: jax.Array, *,
+                   mask_id: int) -> jax.Array:
+    """[B]: rows whose block has not settled yet; a block with no mask when it starts (all prompt, or past
+    the row's canvas) never takes a step."""
+    started = state.calls > 0
+    return ~state.finished & (started | (maskable & (tokens == mask_id)).any(axis=-1))
 
   def step(self, state: JointThresholdState, logits: jax.Array, tokens: jax.Array, maskable: jax.Array,
            knobs: JointThresholdKnobs, *, mask_id: int, temperature: float | jax.Array = 0.0,

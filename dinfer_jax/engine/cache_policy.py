@@ -303,6 +303,8 @@ class BlockDiffusionCache(CachePolicy):
     none after the last block, nor after an EOS that ends the row (dinfer_compat runs it anyway). It is paid
     by the row's next iteration, which runs with no mask."""
     p = tr.program
+    if tr.decoder.settles:  # its blocks end on a forward that saw their final tokens: their K/V are clean
+      return owed
     masks_after = blk.has_masks(canvas)
     ends_row = ((blk.slice(canvas) == p.eos_id).any(axis=1) if p.early_stop
                 else jnp.zeros((tr.batch,), bool))

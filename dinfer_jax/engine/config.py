@@ -23,10 +23,15 @@ class GenerationConfig:
     gen_length: generated positions per row (G).
     block_length: block size (B); blocks are decoded left to right.
     decoder: a registered decoder (dinfer_jax.decoders.names()): threshold | hierarchy | credit |
-      fixed_steps (LLaDA's schedule) | fastdllm (top-1 + threshold).
+      fixed_steps (LLaDA's schedule) | fastdllm (top-1 + threshold) | joint_threshold (LLaDA2.1's unmasking
+      plus token editing) | entropy (d3LLM's entropy bound).
     threshold: confidence threshold (threshold, credit, fastdllm; hierarchy's high threshold).
     low_threshold: hierarchy's per-run threshold.
     credit_alpha, credit_gamma, credit_beta: credit decoder's boost, exponent and decay.
+    edit_threshold: joint_threshold's token-to-token edit threshold (strict >; 0 edits wherever the argmax
+      differs, >= 1 turns editing off).
+    max_post_steps: joint_threshold's post-fill edit budget (steps that start with no mask, per block).
+    entropy_threshold: the entropy decoder's bound in nats (strict <).
     steps_per_block: fixed_steps' forwards per block.
     cache: none | prefix | dual.
     prefix_look, after_look, warmup_steps: the vicinity refresh (dual cache only): the cached step recomputes
@@ -51,6 +56,9 @@ class GenerationConfig:
   credit_alpha: float = 0.7
   credit_gamma: float = 0.2
   credit_beta: float = 0.8
+  edit_threshold: float = 0.0
+  max_post_steps: int = 16
+  entropy_threshold: float = 0.95
   steps_per_block: int = 0
   cache: str = "none"
   prefix_look: int = 0

@@ -25,7 +25,7 @@ from dinfer_jax.sharding import use_mesh
 class GenerationResult:
   """Per-row results of one generate call.
 
-  tokens: generated tokens before the first EOS (what a user reads, and what TPS counts).
+  tokens: generated tokens before the first EOS, at most gen_length (what a user reads, and what TPS counts).
   canvas: prompt followed by every generated position (after the early-stop EOS fill), no padding.
   commit_step: per generated position, the row's 1-based forward index that committed it; -1 = never
     (filled by early stop).
@@ -191,7 +191,7 @@ def _row_tokens_callback(lay: Layout, n_rows: int, eos_id: int, on_block):
 
   def emit(k: int, canvas: np.ndarray) -> None:
     upto = C + (k + 1) * L
-    on_block(k, [committed_tokens(canvas[r], int(lay.pad[r] + lay.prompt_len[r]), int(lay.end[r]), upto, eos_id)
+    on_block(k, [committed_tokens(canvas[r], int(lay.pad[r] + lay.prompt_len[r]), int(lay.answer_end[r]), upto, eos_id)
                  for r in range(n_rows)])
   return emit
 
@@ -223,7 +223,7 @@ def collect(lay: Layout, out: RunOutput, n_rows: int, eos_id: int) -> Generation
   for r in range(n_rows):
     pad, P, end = int(lay.pad[r]), int(lay.prompt_len[r]), int(lay.end[r])
     row = canvas[r, pad:end].tolist()
-    gen = row[P:]
+    gen = row[P:int(lay.answer_end[r]) - pad]
     k = count_generated(gen, eos_id)
     res.canvas.append(row)
     res.tokens.append(gen[:k])

@@ -44,6 +44,13 @@ class Layout:
   pad: np.ndarray  # [B] canvas index of each row's first prompt token
   prompt_len: np.ndarray  # [B]
   end: np.ndarray  # [B] canvas index one past each row's last generated position
+  # [B] one past the last position a user reads: pad + P + gen_length (block diffusion decodes its last block
+  # whole, past gen_length; those positions stay on the canvas but are not part of the answer).
+  answer_end: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.answer_end is None:
+      self.answer_end = self.end
 
 
 def normalize_prompts(prompts) -> list[list[int]]:
@@ -120,4 +127,5 @@ def make_layout(prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, mcfg: 
   windows = policy.window_widths(B, nb)
   grid = Grid(batch=rows, canvas_len=Tc, first_block=C, num_blocks=nb, block_len=B, window=window,
               prefill_len=prefill, windows=windows)
-  return Layout(grid, canvas, valid, pos, pad, np.concatenate([lens, np.zeros(rows - n, int)]), end)
+  answer_end = np.where(end > 0, np.minimum(end, pad + np.concatenate([lens, np.zeros(rows - n, int)]) + G), 0)
+  return Layout(grid, canvas, valid, pos, pad, np.concatenate([lens, np.zeros(rows - n, int)]), end, answer_end)

@@ -34,8 +34,8 @@ Plan = tuple[bool, "int | None"]
 
 
 class Roles(NamedTuple):
-  """[B] per row this step: masks_before (the block held a mask), active (takes part: a mask, or a forward
-  owed), full (takes the full forward), cached (takes the cached one), refresh (its full forward refreshes
+  """[B] per row this step: masks_before (the block was not done: it held a mask, or its decoder had not
+  settled it), active (takes part: that, or a forward owed), full (takes the full forward), cached (takes the cached one), refresh (its full forward refreshes
   its cache)."""
   masks_before: jax.Array
   active: jax.Array
@@ -93,7 +93,7 @@ def _where_rows(rows: jax.Array, new, old):
 # ----------------------------------------------------------------------------- one step
 
 def roles(tr: Trace, blk: Block, b: BlockCarry) -> Roles:
-  masks_before = blk.has_masks(b.gen.canvas)
+  masks_before = blk.pending(b.gen.canvas, b.dec)
   active = masks_before | b.owed
   phase = tr.policy.phase(b.gen.n, b.refreshed)
   return Roles(masks_before, active, active & ((phase == FULL) | (phase == REFRESH)), active & (phase == CACHED),
@@ -252,19 +252,20 @@ class Steps:
 
   def __init__(self, tr: Trace, blk: Block):
     self.tr, self.blk = tr, blk
-    # Per block: at most L commit steps, plus the refresh's owed cached step, the warm-up forwards and block
-    # diffusion's final forward, all counted per row and rows can be out of step with each other.
-    self.max_iters = 2 * (tr.grid.block_len + tr.policy.warmup_steps + 2)
+    # Per block: at most L commit steps (a settling decoder's own bound), plus the refresh's owed cached step,
+    # the warm-up forwards and block diffusion's final forward, all counted per row and rows can be out of step
+    # with each other.
+    self.max_iters = 2 * (tr.decoder.max_steps(tr.grid.block_len) + tr.policy.warmup_steps + 2)
 
   def cond(self, b: BlockCarry) -> jax.Array:
     # The iteration cap is a backstop against a decoder that stops committing (every decoder commits at least
     # one token per row per step while masks remain, so it is never reached in practice): a device loop that
     # never ends would hang the whole program with no way to interrupt it.
-    return (self.blk.has_masks(b.gen.canvas) | b.owed).any() & (b.iters < self.max_iters)
+    return (self.blk.pending(b.gen.canvas, b.dec) | b.owed).any() & (b.iters < self.max_iters)
 
   def in_warmup(self, b: BlockCarry) -> jax.Array:
     """Some active row is still in the vicinity warm-up or has not refreshed yet: its forward is picked."""
-    active = self.blk.has_masks(b.gen.canvas) | b.owed
+    active = self.blk.pending(b.gen.canvas, b.dec) | b.owed
     return (active & ((b.gen.n < self.tr.policy.warmup_steps) | ~b.refreshed)).any()
 
   def step(self, b: BlockCarry, plan: Plan | None) -> BlockCarry:

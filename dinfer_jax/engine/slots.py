@@ -129,7 +129,7 @@ class Row:
   owner: Any
   pad: int  # canvas index of the first prompt token
   prompt_len: int
-  end: int  # one past the last generated position
+  end: int  # one past the last generated position a user reads (layout.Layout.answer_end)
   canvas: np.ndarray  # [Tc] int32, valid [Tc], positions [Tc]: the row's own layout (alone)
   valid: np.ndarray
   positions: np.ndarray
@@ -216,7 +216,7 @@ class SlotPool:
     lay = layout if layout is not None else self.layout(self.mcfg, self.gcfg, prompt)
     if lay.grid != self.grid1:
       raise ValueError(f"SlotPool.add: prompt of {len(prompt)} tokens has another canvas geometry than the pool's")
-    self._waiting.append(Row(owner, int(lay.pad[0]), int(lay.prompt_len[0]), int(lay.end[0]), lay.canvas[0],
+    self._waiting.append(Row(owner, int(lay.pad[0]), int(lay.prompt_len[0]), int(lay.answer_end[0]), lay.canvas[0],
                              lay.valid[0], lay.positions[0], seed_key(seed), int(key_row)))
 
   def remove(self, which) -> None:

@@ -59,6 +59,8 @@ class RefResult:
   forwards: list[tuple[str, int, int]]  # (kind, a, b): "full" / "refresh" / "cached" / "prefill" / "final"
   blocks: list[tuple[int, int]]
   forward_block: list[int] = dataclasses.field(default_factory=list)  # per forward, its block's index (-1: prefill)
+  # per forward, what its decode wrote: {"unmasked": [(pos, token)], "edited": [(pos, old, new)]} (canvas positions)
+  writes: list[dict] = dataclasses.field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- decoders
@@ -93,13 +95,74 @@ class _FixedSteps:
     return jnp.asarray(new[None], jnp.int32), jnp.asarray(commit[None]), {"m": m, "i": i + 1}
 
 
+class _JointThreshold:
+  """LLaDA2.1's unmask-and-edit step (docs/design.md, D13), written out in numpy: the mask token out of the
+  argmax and the softmax; M2T = masked with p > threshold, else the most confident masked position; a step
+  that starts with no mask counts toward the budget and past it ends the block writing nothing; T2T =
+  generated, unmasked positions whose argmax differs with p > edit_threshold; nothing written: stable."""
+  settles, edits = True, True
+
+  def __init__(self, max_post_steps: int):
+    self.budget = max_post_steps
+
+  def init_state(self, tokens, maskable):
+    return {"editable": None, "post": 0, "finished": False}
+
+  def active(self, state, tokens, mask_id) -> bool:
+    if state["editable"] is None:  # a block that starts with no mask never takes a step
+      return bool((np.asarray(tokens) == mask_id).any())
+    return not state["finished"]
+
+  def step(self, state, logits, tokens, maskable, knobs, *, mask_id, temperature=0.0, rng=None):
+    z = np.array(logits, np.float32)[0]
+    z[:, mask_id] = -np.inf
+    cand = z.argmax(-1)
+    zmax = z.max(-1, keepdims=True)
+    p = (1.0 / np.exp(z - zmax).sum(-1)).astype(np.float32)
+    tok = np.asarray(tokens)[0]
+    editable = (tok == mask_id) & np.asarray(maskable)[0] if state["editable"] is None else state["editable"]
+    masked = editable & (tok == mask_id)
+    write = np.zeros_like(masked)
+    post = state["post"]
+    if masked.any():
+      write = masked & (p > np.float32(knobs.threshold))
+      if not write.any():
+        write[np.flatnonzero(masked)[np.argmax(p[masked])]] = True
+    else:
+      post += 1
+    if masked.any() or post <= self.budget:
+      write |= editable & ~masked & (cand != tok) & (p > np.float32(knobs.edit_threshold))
+    new = np.where(write, cand, tok)
+    state = {"editable": editable, "post": post, "finished": not write.any()}
+    return jnp.asarray(new[None], jnp.int32), jnp.asarray(write[None]), state
+
+
 def make_decoder(gcfg, vocab_size: int, *, independent_fixed_steps: bool = True):
   """The registry's decoder for a GenerationConfig (decoders.from_config), except that with
-  independent_fixed_steps LLaDA's schedule is the one written out above in numpy (the reference's own check
-  of the package's jittable FixedStepsDecoder)."""
+  independent_fixed_steps LLaDA's schedule and the unmask-and-edit step are the ones written out above in numpy
+  (the reference's own check of the package's jittable decoders)."""
   if gcfg.decoder == "fixed_steps" and independent_fixed_steps:
     return _FixedSteps(gcfg.steps_per_block)
+  if gcfg.decoder == "joint_threshold" and independent_fixed_steps:
+    return _JointThreshold(gcfg.max_post_steps)
   return decoders.from_config(gcfg, vocab_size=vocab_size)
+
+
+def _block_pending(dec, state, tokens: np.ndarray, mask_id: int) -> bool:
+  """Whether the block needs another step: it holds a mask, or a decoder that settles its blocks says so."""
+  if not getattr(dec, "settles", False):
+    return bool((tokens == mask_id).any())
+  if isinstance(dec, _JointThreshold):
+    return dec.active(state, tokens, mask_id)
+  active = dec.block_active(state, jnp.asarray(tokens[None], jnp.int32), jnp.ones((1, len(tokens)), bool),
+                            mask_id=mask_id)
+  return bool(np.asarray(active)[0])
+
+
+def _writes(before: np.ndarray, after: np.ndarray, committed: np.ndarray, s: int, mask_id: int) -> dict:
+  pos = np.flatnonzero(committed)
+  return {"unmasked": [(s + int(j), int(after[j])) for j in pos if before[j] == mask_id],
+          "edited": [(s + int(j), int(before[j]), int(after[j])) for j in pos if before[j] != mask_id]}
 
 
 # ----------------------------------------------------------------------------- how the model and decoder run
@@ -280,7 +343,7 @@ def _blockwise(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
   knobs = decoders.get(gcfg.decoder).knobs_of(gcfg)
   s0 = (P // B) * B if gcfg.start_block_align else P
   n = 0
-  forwards, blocks, fblock = [], [], []
+  forwards, blocks, fblock, writes = [], [], [], []
 
   s = s0
   while s < T:
@@ -289,7 +352,7 @@ def _blockwise(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
     state = runner.init_state(dec, x[s:e])
     cache = None  # this block's refresh snapshot
     owed_cached_step = False
-    while (x[s:e] == mask_id).any() or owed_cached_step:
+    while _block_pending(dec, state, x[s:e], mask_id) or owed_cached_step:
       thr = max(1.0 - 0.02 * n, gcfg.threshold) if smoothing else gcfg.threshold
       w = min(0.15 + 0.02 * n, gcfg.cont_weight)
       if gcfg.cache == "none" or n < warmup or cache is None:
@@ -316,16 +379,19 @@ def _blockwise(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
       n += 1
       blk_logits = logits[s - a:e - a] if smoothing else logits
       new, committed, state = runner.decode(dec, state, blk_logits, x[s:e], knobs, mask_id=mask_id, threshold=thr)
-      assert not (committed & (x[s:e] != mask_id)).any(), "a decoder committed a decoded position"
+      assert getattr(dec, "edits", False) or not (committed & (x[s:e] != mask_id)).any(), \
+          "a decoder committed a decoded position"
+      before = x[s:e].copy()
       x[s:e] = np.where(committed, new, x[s:e])
       commit[s:e] = np.where(committed, n, commit[s:e])
+      writes.append(_writes(before, x[s:e], committed, s, mask_id))
       if smoothing:
         emb = runner.smooth(params, emb, a, b, x[a:b], logits, mask_id, w)
     if (x[s:e] == eos_id).any() and gcfg.early_stop:
       x[e:] = eos_id
       break
     s += B
-  return RefResult(x.tolist(), commit[P:].tolist(), n, forwards, blocks, fblock)
+  return RefResult(x.tolist(), commit[P:].tolist(), n, forwards, blocks, fblock, writes)
 
 
 def _extend_cache(kv: KVCache, e: int) -> KVCache:
@@ -347,8 +413,9 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
   knobs = decoders.get(gcfg.decoder).knobs_of(gcfg)
   s0 = (P // B) * B
   n = 0
-  forwards, blocks, fblock = [], [], []
+  forwards, blocks, fblock, writes = [], [], [], []
   use_cache = gcfg.cache != "none"
+  settles, edits = getattr(dec, "settles", False), getattr(dec, "edits", False)
 
   kv = None
   if use_cache:
@@ -360,9 +427,11 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
 
   def decode(state, logits, s, e):
     new, committed, state = runner.decode(dec, state, logits, x[s:e], knobs, mask_id=mask_id, threshold=gcfg.threshold)
-    assert not (committed & (x[s:e] != mask_id)).any()
+    assert edits or not (committed & (x[s:e] != mask_id)).any(), "a decoder committed a decoded position"
+    before = x[s:e].copy()
     x[s:e] = np.where(committed, new, x[s:e])
     commit[s:e] = np.where(committed, n, commit[s:e])
+    writes.append(_writes(before, x[s:e], committed, s, mask_id))
     return state
 
   s = s0
@@ -373,7 +442,7 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
     if use_cache:
       kv = _extend_cache(kv, e)
     last_input_had_masks = False
-    while (x[s:e] == mask_id).any():
+    while _block_pending(dec, state, x[s:e], mask_id):
       last_input_had_masks = True
       if use_cache:
         logits, kv = runner.forward(params, cfg, x[s:e], s, cache=kv, logits_range=(0, B))  # fresh K/V persisted
@@ -386,8 +455,9 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
       n += 1
       state = decode(state, logits, s, e)
     ends_row = (x[s:e] == eos_id).any() and gcfg.early_stop
-    # The clean K/V serve the blocks after this one: none after the last block or an EOS that ends the row.
-    if use_cache and last_input_had_masks and (gcfg.dinfer_compat or (e < T and not ends_row)):
+    # The clean K/V serve the blocks after this one: none after the last block or an EOS that ends the row, nor
+    # where the block's last forward already read its final tokens (a decoder that settles its blocks).
+    if use_cache and last_input_had_masks and not settles and (gcfg.dinfer_compat or (e < T and not ends_row)):
       logits, kv = runner.forward(params, cfg, x[s:e], s, cache=kv, logits_range=(0, B))  # clean K/V
       forwards.append(("final", s, e))
       fblock.append(len(blocks) - 1)
@@ -397,4 +467,4 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
       x[e:] = eos_id
       break
     s += B
-  return RefResult(x.tolist(), commit[P:].tolist(), n, forwards, blocks, fblock)
+  return RefResult(x.tolist(), commit[P:].tolist(), n, forwards, blocks, fblock, writes)

@@ -58,4 +58,13 @@ class Block:
   def has_masks(self, canvas: jax.Array) -> jax.Array:
     return (self.slice(canvas) == self.tr.program.mask_id).any(axis=1) & ~self.done
 
+  def pending(self, canvas: jax.Array, dec) -> jax.Array:
+    """[B]: the rows whose block is not done: it still holds a mask, or for a decoder that settles its blocks
+    (decoders.Decoder.settles), the decoder's per-row state says so."""
+    if not self.tr.decoder.settles:
+      return self.has_masks(canvas)
+    active = jax.vmap(lambda st, tk, mk: self.tr.decoder.block_active(st, tk[None], mk[None],
+                                                                      mask_id=self.tr.program.mask_id))
+    return active(dec, self.slice(canvas), self.maskable).reshape(-1) & ~self.done
+
 
