@@ -98,6 +98,10 @@ def add_generation_flags(ap: argparse.ArgumentParser, model_defaults: dict[str, 
   g = ap.add_argument_group("generation (GenerationConfig; defaults: the model's generation_config.json, "
                             "then the dataclass)")
   choices = {"decoder": decoders.names(), "cache": CACHES}
+  named = {n: tuple(decoders.get(n).PRESETS) for n in decoders.names() if decoders.get(n).PRESETS}
+  g.add_argument("--decoder-preset", default=argparse.SUPPRESS, metavar="NAME",
+                 help="a decoder's named knobs, under the flags given: " +
+                      "; ".join(f"{n}: {', '.join(p)}" for n, p in named.items()))
   for f in dataclasses.fields(GenerationConfig):
     flag = "--" + f.name.replace("_", "-")
     shown = (f"default {model_defaults[f.name]!r} (the model's generation_config.json; dataclass "
@@ -113,6 +117,15 @@ def add_generation_flags(ap: argparse.ArgumentParser, model_defaults: dict[str, 
       g.add_argument(flag, dest=f.name, type=typ, default=argparse.SUPPRESS,
                      metavar="{" + ",".join(listed) + "}" if listed else None,
                      help=(f"one of {', '.join(listed)}; " if listed else "") + shown)
+
+
+def preset_knobs(decoder: str, name: str) -> dict[str, Any]:
+  """A decoder's named preset (decoders.Decoder.PRESETS), or a ValueError naming the ones it has."""
+  presets = decoders.get(decoder).PRESETS
+  if name not in presets:
+    raise ValueError(f"--decoder-preset {name}: the {decoder} decoder has " + (
+        f"the presets {', '.join(presets)}" if presets else "no presets"))
+  return dict(presets[name])
 
 
 # generation_config.json may hold per-prompt overrides: "prompt_rules": [{"prefix": TEXT, knob: value, ...}].
@@ -163,6 +176,9 @@ def generation_config(args: argparse.Namespace, model_path: str | None = None,
   """
   from_file = model_generation_defaults(model_path, prompt_text)
   flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
+  if getattr(args, "decoder_preset", None):  # the decoder's named knobs, under the flags given
+    decoder = {**from_file, **flags}.get("decoder", GenerationConfig.decoder)
+    flags = {**preset_knobs(decoder, args.decoder_preset), **flags}
   try:
     return GenerationConfig(**{**from_file, **flags})
   except (TypeError, ValueError) as e:

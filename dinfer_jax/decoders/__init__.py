@@ -2,6 +2,9 @@
 static class plus traced knobs, registered by name (decoders.base)."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from dinfer_jax.decoders.base import Decoder, Knobs, from_config, get, names, register
 from dinfer_jax.decoders.common import Proposal, propose
 # Importing a decoder's module registers it; the registry keeps this order (the CLI lists it).
@@ -11,6 +14,10 @@ from dinfer_jax.decoders.credit import CreditDecoder, CreditKnobs, CreditState
 from dinfer_jax.decoders.baselines import FastDLLMDecoder, FixedStepsDecoder, FixedStepsState
 from dinfer_jax.decoders.joint_threshold import JointThresholdDecoder, JointThresholdKnobs, JointThresholdState
 from dinfer_jax.decoders.entropy import EntropyDecoder, EntropyKnobs
+
+# Every module of this package is imported, so that a new decoder's module with its @register is all it takes.
+for _m in pkgutil.iter_modules(__path__):
+  importlib.import_module(f"{__name__}.{_m.name}")
 
 __all__ = [
     "CreditDecoder", "CreditKnobs", "CreditState", "Decoder", "EntropyDecoder", "EntropyKnobs", "FastDLLMDecoder",

@@ -101,6 +101,14 @@ class GenerationConfig:
     if self.temperature < 0:
       bad("temperature", "must be >= 0")
 
+  def with_preset(self, name: str) -> "GenerationConfig":
+    """This config with the decoder's named preset of knobs (e.g. joint_threshold's "S" or "Q")."""
+    presets = decoders.get(self.decoder).PRESETS
+    if name not in presets:
+      raise ValueError(f"GenerationConfig.decoder={self.decoder!r}: no preset {name!r}; its presets: "
+                       f"{', '.join(presets) or 'none'}")
+    return self.replace(**presets[name])
+
   def token_ids(self, mcfg) -> tuple[int, int]:
     """(mask id, EOS id): this config's, else the model config's."""
     mask_id = self.mask_id if self.mask_id is not None else mcfg.mask_token_id
