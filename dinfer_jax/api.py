@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax import checkpoint, hf_quiet
+from dinfer_jax.checkpoint.errors import read_json_object
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import params as params_lib, quant
 from dinfer_jax.model.transformer import forward as _forward
@@ -113,10 +114,24 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
     # An 8-bit checkpoint asked for another format (e.g. FP8 block scales -> per channel, the fast GEMM path)
     # is requantised leaf by leaf; one already in that format is kept as stored.
     params = quant.quantize_params(params, qc)
+  cfg = with_generation_stops(cfg, p)
   # The engine's layout, once (per-layer buffers on their shardings): every generate call runs on it as it
   # is. Training wants the stacked layers back: params.stack_layers.
   params = params_lib.engine_layout(params, cfg, mesh)
   return Model(config=cfg, params=params, tokenizer=load_tokenizer(p), mesh=mesh, path=str(p))
+
+
+def with_generation_stops(cfg: ModelConfig, path: pathlib.Path) -> ModelConfig:
+  """The model's stop tokens with those its HF generation_config.json lists as eos_token_id (LLaDA2.2 ends a
+  turn with <|role_end|> besides <|endoftext|>)."""
+  f = path / "generation_config.json"
+  if not f.is_file():
+    return cfg
+  eos = read_json_object(f, checkpoint.CheckpointError).get("eos_token_id")
+  extra = [eos] if isinstance(eos, int) else [t for t in eos if isinstance(t, int)] if isinstance(eos, list) else []
+  if not extra or set(extra) <= set(cfg.stop_token_ids):
+    return cfg
+  return cfg.replace(stop_token_ids=cfg.stop_token_ids + tuple(extra))
 
 
 def _shardings(cfg: ModelConfig, dtype, mesh):

@@ -8,6 +8,7 @@ Family = Literal["llada_moe", "llada", "llada2_moe"]
 FAMILIES = ("llada_moe", "llada", "llada2_moe")
 MOE_IMPLS = ("auto", "dense", "ragged", "grouped")
 DECODINGS = ("masked", "block")
+ROUTERS = ("softmax", "sigmoid_grouped", "sigmoid_block")
 
 
 class ConfigError(ValueError):
@@ -33,10 +34,15 @@ class ModelConfig:
   expert_ffn_dim: int = 0
   shared_expert_ffn_dim: int = 0  # 0 = no shared expert
   # "softmax": LLaDA-MoE, softmax over all experts, top-k, no renormalisation.
-  # "sigmoid_grouped": LLaDA2, sigmoid + bias for selection, group-limited, renormalised, scaled.
-  router: Literal["softmax", "sigmoid_grouped"] = "softmax"
+  # "sigmoid_grouped": LLaDA2.0/2.1, sigmoid + bias for selection, group-limited, renormalised, scaled.
+  # "sigmoid_block": LLaDA2.2's block routing: per aligned block of router_block positions the experts whose
+  # best biased score over the block's tokens is among the top expert_capacity are admitted, then each token
+  # takes its top-k of those; weights as sigmoid_grouped's.
+  router: Literal["softmax", "sigmoid_grouped", "sigmoid_block"] = "softmax"
   n_groups: int = 1
   topk_groups: int = 1
+  router_block: int = 0  # sigmoid_block: positions per routing block (LLaDA2.2's block_size, 32)
+  expert_capacity: int = 0  # sigmoid_block: experts admitted per routing block (LLaDA2.2: 48)
   routed_scaling_factor: float = 1.0
   router_bias: bool = False  # LLaDA2's expert_bias: added to the scores for selection only
   qk_norm: bool = False
@@ -46,6 +52,8 @@ class ModelConfig:
   max_position: int = 4096
   mask_token_id: int = 0
   eos_token_id: int = 0
+  # Every token that ends an answer (LLaDA2.2 adds <|role_end|>): eos_token_id first; () means (eos_token_id,).
+  stop_token_ids: tuple[int, ...] = ()
   pad_token_id: int | None = None
   # Which MoE kernel the forward uses. "auto" picks by backend and token count (see model/moe.py).
   moe_impl: str = "auto"
@@ -75,7 +83,11 @@ class ModelConfig:
       if self.router == "sigmoid_grouped":
         need(self.topk_groups * (self.n_experts // self.n_groups) >= self.n_experts_per_tok, "topk_groups",
              "the kept groups must hold at least n_experts_per_tok experts")
-    need(self.router in ("softmax", "sigmoid_grouped"), "router", "must be 'softmax' or 'sigmoid_grouped'")
+    need(self.router in ROUTERS, "router", f"must be one of {ROUTERS}")
+    if self.router == "sigmoid_block":
+      need(self.router_block > 0, "router_block", "block routing needs a positive router_block")
+      need(self.n_experts_per_tok <= self.expert_capacity <= self.n_experts, "expert_capacity",
+           f"must be in [n_experts_per_tok={self.n_experts_per_tok}, n_experts={self.n_experts}]")
     need(self.shared_expert_ffn_dim >= 0, "shared_expert_ffn_dim", "must be >= 0")
     need(0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, "rotary_dim",
          f"must be even and in [0, head_dim={self.head_dim}]")
@@ -84,6 +96,11 @@ class ModelConfig:
     for f in ("mask_token_id", "eos_token_id"):
       need(0 <= getattr(self, f) < self.vocab_size, f, f"must be a token id in [0, vocab_size={self.vocab_size})")
     need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
+    stops = tuple(int(t) for t in self.stop_token_ids) or (self.eos_token_id,)
+    stops = (self.eos_token_id,) + tuple(t for t in dict.fromkeys(stops) if t != self.eos_token_id)
+    object.__setattr__(self, "stop_token_ids", stops)
+    need(all(0 <= t < self.vocab_size for t in stops), "stop_token_ids",
+         f"must be token ids in [0, vocab_size={self.vocab_size})")
     if self.decoding is None:
       object.__setattr__(self, "decoding", "block" if self.family == "llada2_moe" else "masked")
     need(self.decoding in DECODINGS, "decoding", f"must be one of {DECODINGS}")
@@ -166,10 +183,11 @@ def _get(hf, key, default=dataclasses.MISSING, *, typ=None):
 
 def _tokens(hf, mask_default, eos_default):
   eos = hf.get("eos_token_id", eos_default)
+  stops = tuple(eos) if isinstance(eos, list) else ()
   if isinstance(eos, list):
-    eos = eos[0]
+    eos = eos[0] if eos else None
   return dict(mask_token_id=_get(hf, "mask_token_id", mask_default, typ=int),
-              eos_token_id=eos if eos is not None else eos_default,
+              eos_token_id=eos if eos is not None else eos_default, stop_token_ids=stops,
               pad_token_id=hf.get("pad_token_id"))
 
 
@@ -226,7 +244,41 @@ def _from_llada_dense(hf):
               **_tokens(hf, 126336, 126081))
 
 
+# LLaDA2 config.json keys: what the loader implements (with the values it accepts, checked below) and what
+# changes nothing about the forward. Any other key might change the architecture: it is refused by name
+# rather than silently ignored (as LLaDA2.2's expert_capacity once was: it would have run group routing).
+LLADA2_IMPLEMENTED = frozenset({
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+    "num_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "score_function",
+    "moe_router_enable_expert_bias", "rms_norm_eps", "use_qk_norm", "rope_theta", "partial_rotary_factor",
+    "rotary_dim", "rope_scaling", "max_position_embeddings", "first_k_dense_replace", "eos_token_id",
+    "pad_token_id", "mask_token_id", "tie_word_embeddings", "use_qkv_bias", "use_bias", "num_nextn_predict_layers",
+    "expert_capacity", "block_size", "norm_topk_prob", "router_dtype", "hidden_act", "norm_head",
+    "use_sliding_window", "quantization_config"})
+LLADA2_NO_EFFECT = frozenset({
+    "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "use_cache", "initializer_range",
+    "attention_dropout", "embedding_dropout", "output_dropout", "output_router_logits", "output_attentions",
+    "output_hidden_states", "return_dict", "sliding_window", "max_window_layers", "bos_token_id",
+    "delete_token_id", "split_token_id", "tokenizer_class", "_name_or_path", "model_name", "layer_types"})
+
+
+def _check_llada2_keys(hf) -> None:
+  unknown = sorted(k for k in hf if k not in LLADA2_IMPLEMENTED and k not in LLADA2_NO_EFFECT)
+  if unknown:
+    raise ConfigError(f"config.json: key {unknown[0]!r} is not implemented for LLaDA2 (it may change the "
+                      "architecture; refusing to guess)" + (f"; also {unknown[1:]}" if unknown[1:] else ""))
+  for key, ok, want in (("tie_word_embeddings", lambda v: not v, "false"), ("norm_head", lambda v: not v, "false"),
+                        ("use_sliding_window", lambda v: not v, "false"),
+                        ("norm_topk_prob", lambda v: v is None or v, "true"),
+                        ("router_dtype", lambda v: v in (None, "fp32", "float32"), "fp32"),
+                        ("hidden_act", lambda v: v in (None, "silu"), "silu")):
+    if key in hf and not ok(hf[key]):
+      raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported for LLaDA2 (must be {want})")
+
+
 def _from_llada2(hf):
+  _check_llada2_keys(hf)
   d, n = _get(hf, "hidden_size", typ=int), _get(hf, "num_attention_heads", typ=int)
   hd = hf.get("head_dim") or d // n
   prf = float(_get(hf, "partial_rotary_factor", 1.0, typ=float))
@@ -239,6 +291,15 @@ def _from_llada2(hf):
     raise ConfigError("config.json: use_qkv_bias/use_bias must be false")
   if hf.get("num_nextn_predict_layers", 0):
     raise ConfigError("config.json: num_nextn_predict_layers > 0 (MTP) is not supported")
+  if hf.get("rotary_dim") is not None and int(hf["rotary_dim"]) != rot:
+    raise ConfigError(f"config.json: rotary_dim={hf['rotary_dim']!r} disagrees with head_dim={hd} x "
+                      f"partial_rotary_factor={prf}")
+  # LLaDA2.2: block routing replaces the group-limited one (its n_group / topk_group stay, unused).
+  routing = dict(router="sigmoid_grouped", n_groups=_get(hf, "n_group", 1, typ=int),
+                 topk_groups=_get(hf, "topk_group", 1, typ=int))
+  if hf.get("expert_capacity") is not None:
+    routing = dict(router="sigmoid_block", router_block=_get(hf, "block_size", 32, typ=int),
+                   expert_capacity=_get(hf, "expert_capacity", typ=int))
   return dict(family="llada2_moe", vocab_size=_get(hf, "vocab_size", typ=int), d_model=d,
               n_layers=_get(hf, "num_hidden_layers", typ=int), n_heads=n,
               n_kv_heads=_get(hf, "num_key_value_heads", n, typ=int), head_dim=hd,
@@ -247,8 +308,7 @@ def _from_llada2(hf):
               n_experts=_get(hf, "num_experts", typ=int), n_experts_per_tok=_get(hf, "num_experts_per_tok", typ=int),
               expert_ffn_dim=_get(hf, "moe_intermediate_size", typ=int),
               shared_expert_ffn_dim=_get(hf, "moe_intermediate_size", typ=int) * _get(hf, "num_shared_experts", 0, typ=int),
-              router="sigmoid_grouped", n_groups=_get(hf, "n_group", 1, typ=int),
-              topk_groups=_get(hf, "topk_group", 1, typ=int),
+              **routing,
               routed_scaling_factor=float(_get(hf, "routed_scaling_factor", 1.0, typ=float)),
               router_bias=bool(hf.get("moe_router_enable_expert_bias", True)),
               qk_norm=bool(hf.get("use_qk_norm", True)), rope_theta=float(_get(hf, "rope_theta", typ=float)),

@@ -251,7 +251,7 @@ def run_engine(params, mcfg: ModelConfig, batches: Sequence[Sequence[Sequence[in
   def call(batch):
     lay, out, prog = gen_lib.generate_arrays(params, mcfg, batch, gcfg)
     jax.block_until_ready(out)
-    return gen_lib.collect(lay, out, len(batch), prog.eos_id), lay, prog
+    return gen_lib.collect(lay, out, len(batch), prog.stop_ids), lay, prog
 
   for batch in batches:
     lay0, prog0 = gen_lib.prepare(mcfg, batch, gcfg)
@@ -288,7 +288,7 @@ def run_stepped(params, mcfg: ModelConfig, prompts: Sequence[Sequence[int]], gcf
   """Runs every prompt (batch 1) through the Python-stepped loop: one untimed call per prompt first (it
   compiles every forward shape that prompt needs; jax.jit caches them), then `repeats` timed calls."""
   runner = JitRunner()
-  eos = gcfg.token_ids(mcfg)[1]
+  eos = gcfg.stop_ids(mcfg)
   records = []
   for p in prompts:
     t = time.perf_counter()

@@ -306,7 +306,7 @@ class BlockDiffusionCache(CachePolicy):
     if tr.decoder.settles:  # its blocks end on a forward that saw their final tokens: their K/V are clean
       return owed
     masks_after = blk.has_masks(canvas)
-    ends_row = ((blk.slice(canvas) == p.eos_id).any(axis=1) if p.early_stop
+    ends_row = (p.is_stop(blk.slice(canvas)).any(axis=1) if p.early_stop
                 else jnp.zeros((tr.batch,), bool))
     wanted = jnp.full((tr.batch,), True) if p.dinfer_compat else blk.more_after & ~ends_row
     return jnp.where(roles.active & roles.masks_before & ~masks_after & wanted, True,

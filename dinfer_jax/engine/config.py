@@ -109,6 +109,10 @@ class GenerationConfig:
                        f"{', '.join(presets) or 'none'}")
     return self.replace(**presets[name])
 
+  def stop_ids(self, mcfg) -> tuple[int, ...]:
+    """The tokens that end an answer: this config's eos_id alone, else the model's stop tokens."""
+    return (int(self.eos_id),) if self.eos_id is not None else tuple(mcfg.stop_token_ids)
+
   def token_ids(self, mcfg) -> tuple[int, int]:
     """(mask id, EOS id): this config's, else the model config's."""
     mask_id = self.mask_id if self.mask_id is not None else mcfg.mask_token_id

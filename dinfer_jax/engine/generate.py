@@ -46,10 +46,12 @@ class GenerationResult:
   cached_windows: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-def count_generated(generated: Sequence[int], eos_id: int) -> int:
-  """The token counter for TPS/TPF (docs/design.md, "Counting"): generated tokens before the first EOS."""
+def count_generated(generated: Sequence[int], stops: int | Sequence[int]) -> int:
+  """The token counter for TPS/TPF (docs/design.md, D10): generated tokens before the first EOS (stops: the
+  EOS id, or every id that ends an answer)."""
+  stops = {stops} if isinstance(stops, (int, np.integer)) else set(stops)
   for i, t in enumerate(generated):
-    if t == eos_id:
+    if t in stops:
       return i
   return len(generated)
 
@@ -129,7 +131,7 @@ def generate_arrays(params: dict, mcfg: ModelConfig, prompts, gcfg: GenerationCo
          else programs.get(program_key(prog), lambda: _compile(prog, params, args)))
   if not stream:
     return lay, run(params, *args), prog
-  sid = loop.register_stream(_row_tokens_callback(lay, len(normalize_prompts(prompts)), prog.eos_id, on_block))
+  sid = loop.register_stream(_row_tokens_callback(lay, len(normalize_prompts(prompts)), prog.stop_ids, on_block))
   try:
     out = jax.block_until_ready(run(params, *args, jnp.int32(sid)))
   finally:
@@ -176,7 +178,7 @@ def compile_program(programs, model, prompts, gcfg: GenerationConfig, *, batch_b
   return True
 
 
-def committed_tokens(canvas_row: np.ndarray, start: int, end: int, upto: int, eos_id: int) -> list[int]:
+def committed_tokens(canvas_row: np.ndarray, start: int, end: int, upto: int, eos_id: int | Sequence[int]) -> list[int]:
   """A row's generated tokens (canvas [start, end)) committed before canvas index `upto`, cut at the first
   EOS: what streaming hands out after each block."""
   end = min(end, upto)
@@ -211,7 +213,8 @@ def sharded_run(mesh: jax.sharding.Mesh, param_treedef, param_leaf_shardings: tu
                  out_shardings=outs, donate_argnums=donate, compiler_options=loop.compiler_options() or None)
 
 
-def collect(lay: Layout, out: RunOutput, n_rows: int, eos_id: int) -> GenerationResult:
+def collect(lay: Layout, out: RunOutput, n_rows: int, eos_id: int | Sequence[int]) -> GenerationResult:
+  """Per-row results on the host; eos_id: the EOS id, or every id that ends an answer (DenoiseProgram.stop_ids)."""
   canvas = sharding.to_host(out.canvas)
   commit = sharding.to_host(out.commit)
   row_nfe = sharding.to_host(out.row_nfe)
@@ -256,4 +259,4 @@ def generate(model, prompts, config: GenerationConfig | None = None, *, seed: in
   prompts = normalize_prompts(prompts)
   lay, out, prog = generate_arrays(params, mcfg, prompts, gcfg, seed=seed, batch_bucket=batch_bucket,
                                    on_block=on_block, mesh=mesh, programs=programs)
-  return collect(lay, out, len(prompts), prog.eos_id)
+  return collect(lay, out, len(prompts), prog.stop_ids)

@@ -295,10 +295,11 @@ def block_body(tr: Trace) -> Callable[[GenState], GenState]:
 
 
 def end_block(tr: Trace, blk: Block, st: GenState, out: GenState) -> GenState:
-  """Early stop: an EOS anywhere in the finished block fills the rest of the row with EOS and ends it."""
+  """Early stop: an EOS (any stop token) anywhere in the finished block fills the rest of the row with EOS and
+  ends it."""
   p, L = tr.program, tr.grid.block_len
   if p.early_stop:
-    has_eos = (blk.slice(out.canvas) == p.eos_id).any(axis=1) & blk.slice(tr.valid).any(axis=1) & ~st.done
+    has_eos = p.is_stop(blk.slice(out.canvas)).any(axis=1) & blk.slice(tr.valid).any(axis=1) & ~st.done
     fill = has_eos[:, None] & (tr.col[None, :] >= rows_col(blk.s) + L) & tr.valid
     out = out.replace(canvas=jnp.where(fill, p.eos_id, out.canvas), done=st.done | has_eos)
   return constrain(out.replace(block=st.block + 1))

@@ -8,6 +8,8 @@ smoothing's cap): configs that differ only in those share one compiled program.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from typing import Any
 
 import flax.struct
@@ -33,7 +35,8 @@ class DenoiseProgram:
     smoothing: iteration smoothing (soft embeddings of the masked positions, a relaxing threshold).
     sampling: temperature > 0 (Gumbel noise chooses the token); else argmax.
     early_stop: an EOS in a finished block fills the rest of the row with EOS and ends it.
-    mask_id, eos_id: the token ids.
+    mask_id, eos_id: the token ids (eos_id also fills a row that stopped early).
+    stop_ids: every token that ends an answer (eos_id first; LLaDA2.2 adds <|role_end|>).
     dinfer_compat: run dInfer's exact forward sequence (GenerationConfig.dinfer_compat).
     stream: hand every finished block to a host callback while the program runs (engine.loop.register_stream).
   """
@@ -47,6 +50,7 @@ class DenoiseProgram:
   early_stop: bool
   mask_id: int
   eos_id: int
+  stop_ids: tuple[int, ...] = ()
   dinfer_compat: bool = False
   stream: bool = False
 
@@ -58,7 +62,11 @@ class DenoiseProgram:
     return cls(model=mcfg, grid=grid, decoder=decoders.from_config(gcfg, vocab_size=mcfg.vocab_size),
                cache=policy if policy is not None else cache_policy.for_config(mcfg, gcfg),
                smoothing=gcfg.smoothing, sampling=gcfg.temperature > 0, early_stop=gcfg.early_stop,
-               mask_id=mask_id, eos_id=eos_id, dinfer_compat=gcfg.dinfer_compat)
+               mask_id=mask_id, eos_id=eos_id, stop_ids=gcfg.stop_ids(mcfg), dinfer_compat=gcfg.dinfer_compat)
+
+  def is_stop(self, tokens):
+    """tokens == any of stop_ids (one comparison per id: with one id exactly tokens == eos_id)."""
+    return functools.reduce(operator.or_, [tokens == t for t in self.stop_ids or (self.eos_id,)])
 
   def replace(self, **kw) -> "DenoiseProgram":
     return dataclasses.replace(self, **kw)

@@ -183,7 +183,7 @@ class SlotPool:
     self.prog = prog
     self.knobs = jax.tree_util.tree_map(jnp.asarray, Knobs.of(gcfg))
     self.grid1 = lay.grid
-    self.eos_id = prog.eos_id
+    self.eos_id, self.stop_ids = prog.eos_id, prog.stop_ids
     self.programs = programs
     self.rows: list[Row | None] = []  # slot i's row, for the slots in use
     self.state: PoolState | None = None
@@ -322,11 +322,11 @@ class SlotPool:
     finished, progress = [], []
     for i, r in enumerate(self.rows):
       if done[i]:
-        finished.append(Finished(r.owner, r.tokens(canvas[i], r.end, self.eos_id), r.end - r.pad - r.prompt_len,
+        finished.append(Finished(r.owner, r.tokens(canvas[i], r.end, self.stop_ids), r.end - r.pad - r.prompt_len,
                                  int(n[i])))
         self._leaving.add(i)
       elif i not in self._leaving:
-        progress.append((r.owner, r.tokens(canvas[i], C + int(block[i]) * L, self.eos_id)))
+        progress.append((r.owner, r.tokens(canvas[i], C + int(block[i]) * L, self.stop_ids)))
     return finished, progress, {"nfe": int(counts.nfe), "n_full": int(counts.n_full),
                                 "n_cached": int(counts.n_cached)}
 

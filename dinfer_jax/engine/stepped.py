@@ -318,6 +318,7 @@ def stepped_generate(params, cfg, prompt, gcfg, *, mask_id: int | None = None, e
   ids = gcfg.replace(mask_id=gcfg.mask_id if gcfg.mask_id is not None else mask_id,
                      eos_id=gcfg.eos_id if gcfg.eos_id is not None else eos_id)
   mask_id, eos_id = ids.token_ids(cfg)
+  eos_id = ids.stop_ids(cfg) if len(ids.stop_ids(cfg)) > 1 else eos_id  # the ids that end a row
   if cfg.block_diffusion:
     return _block_diffusion(params, cfg, list(prompt), gcfg, mask_id, eos_id, runner)
   return _blockwise(params, cfg, list(prompt), gcfg, mask_id, eos_id, runner)
@@ -387,8 +388,8 @@ def _blockwise(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
       writes.append(_writes(before, x[s:e], committed, s, mask_id))
       if smoothing:
         emb = runner.smooth(params, emb, a, b, x[a:b], logits, mask_id, w)
-    if (x[s:e] == eos_id).any() and gcfg.early_stop:
-      x[e:] = eos_id
+    if np.isin(x[s:e], eos_id).any() and gcfg.early_stop:
+      x[e:] = np.atleast_1d(eos_id)[0]
       break
     s += B
   return RefResult(x.tolist(), commit[P:].tolist(), n, forwards, blocks, fblock, writes)
@@ -454,7 +455,7 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
         fblock.append(len(blocks) - 1)
       n += 1
       state = decode(state, logits, s, e)
-    ends_row = (x[s:e] == eos_id).any() and gcfg.early_stop
+    ends_row = np.isin(x[s:e], eos_id).any() and gcfg.early_stop
     # The clean K/V serve the blocks after this one: none after the last block or an EOS that ends the row, nor
     # where the block's last forward already read its final tokens (a decoder that settles its blocks).
     if use_cache and last_input_had_masks and not settles and (gcfg.dinfer_compat or (e < T and not ends_row)):
@@ -464,7 +465,7 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
       n += 1
       state = decode(state, logits, s, e)  # commits nothing: the block has no masks
     if ends_row:
-      x[e:] = eos_id
+      x[e:] = np.atleast_1d(eos_id)[0]
       break
     s += B
   return RefResult(x.tolist(), commit[P:].tolist(), n, forwards, blocks, fblock, writes)

@@ -54,12 +54,15 @@ def has_gpu_grouped_gemm() -> bool:
   return True
 
 
-def route(h: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(h: jax.Array, lp: dict, cfg: ModelConfig, positions: jax.Array | None = None,
+          valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Routing, in fp32 whatever the weight dtype (a bf16 router flips near-tied top-k choices).
 
   Args:
     h: [T, D] normed hidden states (T = all tokens of the batch, flattened).
     lp: one layer's params (router [D, E], optional expert_bias [E]).
+    positions, valid: [B, T'] (B * T' = T) the tokens' positions and which are real: block routing's
+      blocks (cfg.router "sigmoid_block"); unused by the other routers.
   Returns:
     weights [T, k] fp32 and expert ids [T, k] int32.
   """
@@ -69,10 +72,16 @@ def route(h: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Arra
     # LLaDA-MoE: softmax over all experts, top-k, and no renormalisation (weights sum to < 1).
     w, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
     return w, idx.astype(jnp.int32)
-  # LLaDA2: sigmoid scores; the bias only steers selection; selection is limited to the best groups,
-  # where a group scores the sum of its top-2 biased scores.
+  # LLaDA2: sigmoid scores; the bias only steers selection; selection is limited to the best groups (2.0,
+  # 2.1), where a group scores the sum of its top-2 biased scores, or to the experts its routing block admits
+  # (2.2).
   scores = jax.nn.sigmoid(logits)
   sel = scores + lp["expert_bias"].astype(jnp.float32) if cfg.router_bias else scores
+  if cfg.router == "sigmoid_block":
+    sel = jnp.where(block_admitted(sel, cfg, positions, valid), sel, -jnp.inf)
+    _, idx = jax.lax.top_k(sel, k)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    return w / (w.sum(-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor, idx.astype(jnp.int32)
   T, E, G = sel.shape[0], cfg.n_experts, cfg.n_groups
   grouped = sel.reshape(T, G, E // G)
   group_score = jax.lax.top_k(grouped, min(2, E // G))[0].sum(-1)  # [T, G]
@@ -83,6 +92,26 @@ def route(h: jax.Array, lp: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Arra
   w = jnp.take_along_axis(scores, idx, axis=-1)
   w = w / (w.sum(-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
   return w, idx.astype(jnp.int32)
+
+
+def block_admitted(sel: jax.Array, cfg: ModelConfig, positions: jax.Array, valid: jax.Array | None) -> jax.Array:
+  """[T, E] bool: the experts each token's routing block admits (LLaDA2.2). A block is the aligned positions
+  [r k, r (k + 1)) of a row (r = cfg.router_block); it admits the expert_capacity experts whose best biased
+  score over the block's real tokens is highest (lower expert id on ties). sel [T, E] biased scores of the
+  flattened tokens; positions, valid [B, T/B]."""
+  B, Tr = positions.shape
+  r, E = cfg.router_block, cfg.n_experts
+  valid = jnp.ones((B, Tr), bool) if valid is None else valid
+  blk = positions // r
+  # Block ids relative to the row's first real block: at most Tr // r + 2 blocks in a window of Tr tokens.
+  n_blk = Tr // r + 2
+  first = jnp.min(jnp.where(valid, blk, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
+  rel = jnp.clip(blk - first, 0, n_blk - 1)
+  ids = (jnp.arange(B)[:, None] * n_blk + rel).reshape(-1)
+  best = jax.ops.segment_max(jnp.where(valid.reshape(-1, 1), sel, -jnp.inf), ids, num_segments=B * n_blk)
+  _, keep = jax.lax.top_k(best, cfg.expert_capacity)  # [B * n_blk, capacity]
+  admitted = jnp.zeros((B * n_blk, E), bool).at[jnp.arange(B * n_blk)[:, None], keep].set(True)
+  return admitted[ids]
 
 
 def _router_logits(h: jax.Array, lp: dict) -> jax.Array:
@@ -416,7 +445,8 @@ EXPERT_KERNELS = {"dense": experts_dense, "ragged": experts_ragged, "grouped": e
 
 
 def moe_ffn(h: jax.Array, lp: dict, cfg: ModelConfig, impl: str | None = None,
-            norm_w: jax.Array | None = None, residual: jax.Array | None = None):
+            norm_w: jax.Array | None = None, residual: jax.Array | None = None,
+            positions: jax.Array | None = None, valid: jax.Array | None = None):
   """The MoE FFN of one layer on normed hidden states h [B, T, D] -> [B, T, D]. With norm_w [D], h is
   normalised but not yet weighted (layers.rms_normalize) and the norm's weight is applied here: by the
   grouped kernel as it loads rows when it routes in a kernel, else first, as rms_norm does.
@@ -435,7 +465,7 @@ def moe_ffn(h: jax.Array, lp: dict, cfg: ModelConfig, impl: str | None = None,
     return out[0].reshape(B, T, D), out[1].reshape(B, T, D)
   if norm_w is not None:
     flat = norm_w.astype(flat.dtype) * flat
-  w, idx = route(flat, lp, cfg)
+  w, idx = route(flat, lp, cfg, positions, valid)
   y = EXPERT_KERNELS[impl](flat, w, idx, lp["experts"], cfg.n_experts)
   if "shared" in lp:
     sh = lp["shared"]

@@ -67,7 +67,7 @@ def _queries_keys(h, lp, cfg: ModelConfig, positions) -> tuple[jax.Array, jax.Ar
 
 
 def _layer(x, lp, kv_in, xn=None, *, cfg: ModelConfig, moe: bool, positions, mask, cache_start, write_mask,
-           moe_impl, in_place: bool = False):
+           moe_impl, in_place: bool = False, token_valid=None):
   """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None; xn: rms_normalize(x) when the block
   before computed it (its MoE combine kernel did). in_place: the fresh K/V go into kv_in's buffers (where
   write_mask) and those buffers come back, in the cache dtype. Returns (x, its rms_normalize or None, K/V)."""
@@ -95,7 +95,8 @@ def _layer(x, lp, kv_in, xn=None, *, cfg: ModelConfig, moe: bool, positions, mas
   if moe:
     # The MoE applies the norm's weight itself and adds the residual: on GPU its grouped kernels apply the
     # weight as they load rows and normalise the block's output for the next norm in the combine's kernel.
-    x, xn = moe_lib.moe_ffn(rms_normalize(x, cfg.rms_eps), lp, cfg, moe_impl, norm_w=lp["ffn_norm"], residual=x)
+    x, xn = moe_lib.moe_ffn(rms_normalize(x, cfg.rms_eps), lp, cfg, moe_impl, norm_w=lp["ffn_norm"], residual=x,
+                            positions=positions, valid=token_valid)
   else:
     h = rms_norm(x, lp["ffn_norm"], cfg.rms_eps)
     x = x + swiglu(h, lp["mlp"]["gate"], lp["mlp"]["up"], lp["mlp"]["down"])
@@ -165,6 +166,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     raise ValueError("forward: keep_cache needs a per-layer cache (KVCache.zeros(..., per_layer=True))")
   amask = attention_mask(mask, T)
   x = shard(x, ("act_batch", "act_len", "act_embed"))
+  # Block routing (LLaDA2.2) groups real tokens by aligned positions: which inputs are real, from the mask.
+  token_valid = _query_valid(mask, B, T, cache_start) if cfg.router == "sigmoid_block" else None
 
   ks, vs = [], []
   xn = None  # rms_normalize(x), when the last block's MoE kernel computed it
@@ -175,7 +178,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     kv_in = None if cache is None else (cache.k[start:start + n], cache.v[start:start + n])
     body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, mask=amask,
                              cache_start=cache_start, write_mask=write_mask, moe_impl=moe_impl,
-                             in_place=keep_cache)
+                             in_place=keep_cache, token_valid=token_valid)
     if remat:
       body = jax.checkpoint(body)
     if isinstance(params[name], (list, tuple)):
@@ -217,6 +220,18 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
   if not head:
     return ForwardOut(logits=None, kv=kv, hidden=x)
   return ForwardOut(logits=lm_head(params, x), kv=kv)
+
+
+def _query_valid(mask: jax.Array | None, B: int, T: int, cache_start) -> jax.Array | None:
+  """[B, T] which inputs are real tokens: a per-query mask lets a real token attend to itself; a key-validity
+  mask over the canvas holds the inputs at cache_start (0 without a cache)."""
+  if mask is None:
+    return None
+  start = 0 if cache_start is None else cache_start
+  if mask.ndim == 3:
+    own = mask if mask.shape[2] == T else slice_rows(mask, start, T, axis=2)
+    return jnp.diagonal(own, axis1=1, axis2=2)
+  return mask if mask.shape[1] == T else slice_rows(mask, start, T)
 
 
 def lm_head(params: dict, x: jax.Array) -> jax.Array:

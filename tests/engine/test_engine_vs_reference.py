@@ -87,7 +87,7 @@ def check_against_reference(model: str, prompts: list[list[int]], gcfg: Generati
     assert res.canvas[r] == ref.canvas, ctx
     assert res.commit_step[r] == ref.commit_step, ctx
     assert res.row_nfe[r] == ref.nfe, ctx
-    gen = ref.canvas[len(p):]
+    gen = ref.canvas[len(p):len(p) + gcfg.gen_length]  # block diffusion decodes past it to its block's end
     k = gen.index(eos) if eos in gen else len(gen)
     assert res.tokens[r] == gen[:k] and res.num_tokens[r] == k, ctx
   full, cached, prefill = batched_forwards(refs)
