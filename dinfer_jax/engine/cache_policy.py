@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from dinfer_jax import cache as cache_lib
+from dinfer_jax import cache as cache_lib, decoders
 from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.engine import iteration
@@ -41,6 +41,9 @@ def rows_col(x: jax.Array) -> jax.Array:
 FULL = 1  # full canvas forward, no cache read or write (no cache, vicinity warm-up)
 REFRESH = 2  # full canvas forward whose K/V replace the row's cache (block entry)
 CACHED = 3  # window forward reading the cache
+# The cached-forward variant of block diffusion's block entry with dInfer v0.2's cross-block update (a window
+# index, as the prefix cache's windows are).
+CROSS_BLOCK = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,9 +268,15 @@ class DualCache(CachePolicy):
 @dataclasses.dataclass(frozen=True)
 class BlockDiffusionCache(CachePolicy):
   """LLaDA2's block diffusion with its prefix cache (dInfer's BlockDiffusionRunner): the cache holds exactly
-  the positions before the block's end, each step persists the block's fresh K/V, and a block that finished
-  takes one more forward on its final tokens for their clean K/V."""
+  the positions before the block's end and each step persists the block's fresh K/V.
 
+  The K/V a block's last forward wrote were computed from its tokens before that forward's commits. With
+  cross_block (dInfer v0.2, the default) the next block's first forward also takes the previous block as
+  queries, under the block-causal mask, and rewrites its K/V from its final tokens: the same tokens as a
+  clean-up forward after each block (dInfer v0.1, dinfer_compat), one forward fewer per block. Without it, a
+  block that finished takes one more forward on its final tokens for their clean K/V."""
+
+  cross_block: bool = True
   name: ClassVar[str] = "block_diffusion"
   has_full: ClassVar[bool] = False
   block_diffusion: ClassVar[bool] = True
@@ -289,7 +298,10 @@ class BlockDiffusionCache(CachePolicy):
     return s, s, s + tr.grid.block_len
 
   def cached_forward(self, tr: Any, blk: Any, st: GenState, rows: jax.Array, win: int):
-    """The block over the cache; the rows taking it persist its fresh K/V."""
+    """The block over the cache; the rows taking it persist its fresh K/V. win == CROSS_BLOCK: the block
+    entry's forward that also rewrites the previous block's K/V."""
+    if win == CROSS_BLOCK:
+      return self._cross_block_forward(tr, blk, st, rows)
     W, s = tr.grid.window, blk.s
     c0, lo, hi = self.window(tr, s)
     key_mask = tr.valid & (tr.col[None, :] < rows_col(s) + tr.grid.block_len)  # the positions before the block end
@@ -298,12 +310,26 @@ class BlockDiffusionCache(CachePolicy):
     out = self.window_forward(tr, st, s, c0, W, key_mask, write, keep_cache=False)
     return out.logits, cache_lib.select_rows(rows, out.kv, st.cache), c0, write
 
+  def _cross_block_forward(self, tr: Any, blk: Any, st: GenState, rows: jax.Array):
+    """The window [s - L, s + L): the previous block's queries see what they saw before (the blocks up to their
+    own), the current block's the blocks up to theirs; both blocks' fresh K/V persist. The first block after
+    the prefill keeps the prefill's K/V of the block before it (only the current block is written)."""
+    L, C, Tc, s = tr.grid.block_len, tr.grid.first_block, tr.grid.canvas_len, blk.s
+    c0 = jnp.clip(s - L, 0, Tc - 2 * L).astype(jnp.int32)
+    qcol = rows_col(c0) + jnp.arange(2 * L)  # [1 or B, 2L] canvas index of each query
+    key_mask = tr.valid[:, None, :] & (tr.col[None, None, :] < ((qcol // L + 1) * L)[:, :, None])
+    lo = jnp.where(s > C, s - L, s)
+    write = jnp.broadcast_to((qcol >= rows_col(lo)) & (qcol < rows_col(s) + L), (tr.batch, 2 * L))
+    out = self.window_forward(tr, st, s, c0, 2 * L, key_mask, write, keep_cache=False)
+    return out.logits, cache_lib.select_rows(rows, out.kv, st.cache), c0, write[:, :tr.grid.window]
+
   def owed_after(self, tr: Any, blk: Any, owed: jax.Array, roles: Any, canvas: jax.Array) -> jax.Array:
     """The clean-K/V forward is owed by a row whose block just lost its last mask, for the blocks after it:
     none after the last block, nor after an EOS that ends the row (dinfer_compat runs it anyway). It is paid
-    by the row's next iteration, which runs with no mask."""
+    by the row's next iteration, which runs with no mask. None with cross_block (the next block's first
+    forward rewrites those K/V) nor for a decoder that settles its blocks (its last forward saw them final)."""
     p = tr.program
-    if tr.decoder.settles:  # its blocks end on a forward that saw their final tokens: their K/V are clean
+    if tr.decoder.settles or self.cross_block:
       return owed
     masks_after = blk.has_masks(canvas)
     ends_row = (p.is_stop(blk.slice(canvas)).any(axis=1) if p.early_stop
@@ -313,6 +339,8 @@ class BlockDiffusionCache(CachePolicy):
                      jnp.where(roles.active & ~roles.masks_before, False, owed))
 
   def run_steps(self, steps: Any, carry: Any) -> Any:
+    if self.cross_block and steps.tr.grid.canvas_len >= 2 * steps.tr.grid.block_len:
+      carry = jax.lax.cond(steps.cond(carry), lambda c: steps.step(c, (False, CROSS_BLOCK)), lambda c: c, carry)
     return steps.loop(carry, None)
 
 
@@ -326,7 +354,11 @@ def for_config(mcfg: ModelConfig, gcfg: GenerationConfig) -> CachePolicy:
     if gcfg.vicinity:
       raise ValueError("GenerationConfig.prefix_look/after_look/warmup_steps: the vicinity refresh does not "
                        "apply to LLaDA2's block diffusion (its cache is exact); set them to 0")
-    return NoCache(block_causal=True) if gcfg.cache == "none" else BlockDiffusionCache()
+    if gcfg.cache == "none":
+      return NoCache(block_causal=True)
+    # dInfer v0.2's cross-block update by default; v0.1's clean-up forward under dinfer_compat; neither for a
+    # decoder whose blocks end on a forward that saw their final tokens.
+    return BlockDiffusionCache(cross_block=not gcfg.dinfer_compat and not decoders.get(gcfg.decoder).settles)
   if gcfg.cache == "prefix":
     return PrefixCache()
   if gcfg.cache == "dual":

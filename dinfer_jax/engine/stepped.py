@@ -417,6 +417,9 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
   forwards, blocks, fblock, writes = [], [], [], []
   use_cache = gcfg.cache != "none"
   settles, edits = getattr(dec, "settles", False), getattr(dec, "edits", False)
+  # dInfer v0.2: a block's first forward also rewrites the previous block's K/V from its final tokens, in place
+  # of v0.1's clean-up forward after each block (dinfer_compat).
+  cross = use_cache and not gcfg.dinfer_compat and not settles
 
   kv = None
   if use_cache:
@@ -443,9 +446,17 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
     if use_cache:
       kv = _extend_cache(kv, e)
     last_input_had_masks = False
+    first = True
     while _block_pending(dec, state, x[s:e], mask_id):
       last_input_had_masks = True
-      if use_cache:
+      if cross and first and s > s0:
+        # Queries [s - B, e): each sees the blocks up to its own; both blocks' fresh K/V persist. (The first
+        # decoded block follows the prefill, whose K/V are clean: a plain forward.)
+        m = np.stack([np.arange(e) < ((q // B) + 1) * B for q in range(s - B, e)])
+        logits, kv = runner.forward(params, cfg, x[s - B:e], s - B, cache=kv, mask=m, logits_range=(B, B))
+        forwards.append(("cross", s - B, e))
+        fblock.append(len(blocks) - 1)
+      elif use_cache:
         logits, kv = runner.forward(params, cfg, x[s:e], s, cache=kv, logits_range=(0, B))  # fresh K/V persisted
         forwards.append(("cached", s, e))
         fblock.append(len(blocks) - 1)
@@ -454,11 +465,12 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
         forwards.append(("full", 0, e))
         fblock.append(len(blocks) - 1)
       n += 1
+      first = False
       state = decode(state, logits, s, e)
     ends_row = np.isin(x[s:e], eos_id).any() and gcfg.early_stop
     # The clean K/V serve the blocks after this one: none after the last block or an EOS that ends the row, nor
     # where the block's last forward already read its final tokens (a decoder that settles its blocks).
-    if use_cache and last_input_had_masks and not settles and (gcfg.dinfer_compat or (e < T and not ends_row)):
+    if use_cache and last_input_had_masks and not settles and not cross and (gcfg.dinfer_compat or (e < T and not ends_row)):
       logits, kv = runner.forward(params, cfg, x[s:e], s, cache=kv, logits_range=(0, B))  # clean K/V
       forwards.append(("final", s, e))
       fblock.append(len(blocks) - 1)

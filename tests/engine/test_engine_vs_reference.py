@@ -296,14 +296,16 @@ def test_llada2_block_diffusion_batch1():
 
 
 @pytest.mark.parametrize("name", ["llada2", "llada2_eos"])
-def test_llada2_skips_the_clean_kv_forward_nothing_reads(name):
-  """Block diffusion by default: no clean-K/V forward after the last block or after a block whose EOS ends
-  the row (dInfer runs one: dinfer_compat). Same tokens; one forward fewer per such row."""
+def test_llada2_cross_block_update_drops_the_clean_kv_forwards(name):
+  """Block diffusion by default (dInfer v0.2): a block's first forward also takes the previous block as queries
+  and rewrites its K/V from its final tokens, so no clean-K/V forward follows any block; dinfer_compat runs
+  v0.1's after each block (after the last and an EOS-ended one too). Same tokens; per row as many forwards fewer
+  as v0.1 ran clean-ups. The plain reference loop runs each the same way (the canvas and NFE match it)."""
   base = make_config("threshold", "prefix", False, gen_length=G2)
-  compat, _ = check_against_reference(name, LLADA2_ROWS, base.replace(dinfer_compat=True))
+  compat, compat_refs = check_against_reference(name, LLADA2_ROWS, base.replace(dinfer_compat=True))
   res, refs = check_against_reference(name, LLADA2_ROWS, base)
   assert res.canvas == compat.canvas
-  for r, ref in enumerate(refs):
-    kinds = [k for k, _, _ in ref.forwards]
-    assert res.row_nfe[r] == compat.row_nfe[r] - 1, (r, kinds)
-    assert kinds[-1] == "cached"  # the row's last forward commits its last tokens
+  for r, (ref, cref) in enumerate(zip(refs, compat_refs)):
+    kinds, finals = [k for k, _, _ in ref.forwards], [k for k, _, _ in cref.forwards].count("final")
+    assert finals >= 1 and res.row_nfe[r] == compat.row_nfe[r] - finals, (r, kinds)
+    assert "final" not in kinds and kinds.count("cross") == len(ref.blocks) - 1, kinds
