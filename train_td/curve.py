@@ -21,12 +21,16 @@ from train_td import prompting
 from dinfer_jax import tasks as tasks_lib
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
-DECODERS = ("threshold", "hierarchy", "credit")
+# The entropy decoder sweeps its bound (nats) instead of a confidence threshold: H < 0.1 is about p > 0.98 for a
+# two-way split, H < 1.0 lets through a near-uniform choice among three.
+ENTROPY_BOUNDS = (0.05, 0.1, 0.2, 0.4, 0.7, 1.0)
+DECODERS = ("threshold", "hierarchy", "credit", "entropy")
 SMOOTHING = (0.0, 0.3)
 
 
 def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=DECODERS, smoothing=SMOOTHING,
-          progress=None, cache: str = "dual", settings_from: str | None = None, name: str | None = None):
+          progress=None, cache: str = "dual", settings_from: str | None = None, name: str | None = None,
+          entropy_bounds=ENTROPY_BOUNDS):
   """Rows of (decoder, smoothing, threshold) -> accuracy / TPF. The other knobs are the generation_config.json
   of `settings_from` (default: the model's own), with its prompt rule for the task (e.g. sort's long
   gen_length): comparing a TD model with its base at the base's settings passes the base's path."""
@@ -37,8 +41,9 @@ def sweep(model, task: str, n: int, seed: int, thresholds=THRESHOLDS, decoders=D
   rows = []
   for dec in decoders:
     for cw in smoothing:
-      for thr in thresholds:
-        knobs = dict(base, decoder=dec, threshold=thr, cont_weight=cw)
+      for thr in (entropy_bounds if dec == "entropy" else thresholds):
+        knobs = dict(base, decoder=dec, cont_weight=cw)
+        knobs.update(entropy_threshold=thr) if dec == "entropy" else knobs.update(threshold=thr)
         if dec == "hierarchy":
           knobs["low_threshold"] = round(max(0.3, thr - 0.3), 2)
         gcfg = GenerationConfig(**knobs)
@@ -56,7 +61,8 @@ def to_markdown(rows, command: str, cache: str = "dual") -> str:
          "", "| task | model | decoder | smoothing | threshold | accuracy | mean TPF | mean NFE | TPS |",
          "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    thr = f"{r['threshold']}" + (f" (low {r['low_threshold']})" if r["low_threshold"] is not None else "")
+    thr = (f"H < {r['threshold']}" if r["decoder"] == "entropy" else f"{r['threshold']}") + (
+        f" (low {r['low_threshold']})" if r["low_threshold"] is not None else "")
     out.append(f"| {r['task']} | {r.get('model', '')} | {r['decoder']} | {r['smoothing']} | {thr} | {r['accuracy']:.3f} | "
                f"{r['mean_tpf']:.2f} | {r['mean_nfe']:.1f} | {r['tps']:.0f} |")
   return "\n".join(out) + "\n"
@@ -102,13 +108,18 @@ def main(argv=None) -> int:
   ap.add_argument("--thresholds", default=",".join(map(str, THRESHOLDS)))
   ap.add_argument("--decoders", default=",".join(DECODERS))
   ap.add_argument("--cache", default="dual", choices=["none", "prefix", "dual"])
+  ap.add_argument("--entropy-bounds", default=",".join(map(str, ENTROPY_BOUNDS)),
+                  help="the entropy decoder's bounds (nats), in place of --thresholds")
+  ap.add_argument("--smoothing", default=",".join(map(str, SMOOTHING)), help="iteration-smoothing caps (0: off)")
   a = ap.parse_args(argv)
   names = a.model.split(",")
   models = [dinfer_jax.load(m) for m in names]
   rows = [r for task in a.task.split(",") for name, model in zip(names, models)
           for r in sweep(model, task, a.n, a.seed, thresholds=[float(t) for t in a.thresholds.split(",")],
                          decoders=a.decoders.split(","), progress=lambda r: print(json.dumps(r), flush=True),
-                         cache=a.cache, settings_from=models[0].path, name=name)]
+                         cache=a.cache, settings_from=models[0].path, name=name,
+                         smoothing=[float(c) for c in a.smoothing.split(",")],
+                         entropy_bounds=[float(b) for b in a.entropy_bounds.split(",")])]
   command = "python -m train_td.curve " + " ".join(argv if argv is not None else sys.argv[1:])
   with open(a.md, "w") as f:
     f.write(to_markdown(rows, command, a.cache))
