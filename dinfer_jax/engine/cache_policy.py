@@ -97,9 +97,10 @@ class CachePolicy:
     del block_len
     return valid
 
-  def prefill(self, tr: Any, st: GenState) -> GenState:
-    """Work before the first block (block diffusion's prompt prefill); none by default."""
-    del tr
+  def prefill(self, tr: Any, st: GenState, rows: jax.Array | None = None) -> GenState:
+    """Work before a row's first block (block diffusion's prompt prefill): for every row, or for `rows` [B]
+    (continuous batching: the rows that just joined). None by default."""
+    del tr, rows
     return st
 
   def window(self, tr: Any, s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -284,15 +285,21 @@ class BlockDiffusionCache(CachePolicy):
   def phase(self, n: jax.Array, refreshed: jax.Array) -> jax.Array:
     return jnp.full(n.shape, CACHED, jnp.int32)
 
-  def prefill(self, tr: Any, st: GenState) -> GenState:
-    """The prompt's blocks under the block-causal mask (dInfer's BlockDiffusionRunner.prefill): one forward."""
+  def prefill(self, tr: Any, st: GenState, rows: jax.Array | None = None) -> GenState:
+    """The prompt's blocks under the block-causal mask (dInfer's BlockDiffusionRunner.prefill): one forward,
+    its K/V into the cache of every row (or of `rows` [B], the rest keep theirs)."""
     P, L = tr.grid.prefill_len, tr.grid.block_len
     blk_of = jnp.arange(P) // L
     bc = (blk_of[None, :, None] >= blk_of[None, None, :]) & tr.valid[:, None, :P]
     out = tr.forward(st.canvas[:, :P], positions=tr.positions[:, :P], mask=bc, kv_layers=True)
-    cache = jax.tree_util.tree_map(lambda c, n: c.at[:, :P].set(n.astype(c.dtype)), st.cache, out.kv)
-    counters = st.counters.replace(nfe=st.counters.nfe + 1)
-    return st.replace(cache=cache, counters=counters, n=st.n + 1)
+    if rows is None:
+      cache = jax.tree_util.tree_map(lambda c, n: c.at[:, :P].set(n.astype(c.dtype)), st.cache, out.kv)
+      return st.replace(cache=cache, counters=st.counters.replace(nfe=st.counters.nfe + 1), n=st.n + 1)
+    m = rows.reshape(-1, 1, 1, 1)
+    cache = jax.tree_util.tree_map(lambda c, n: c.at[:, :P].set(jnp.where(m, n.astype(c.dtype), c[:, :P])),
+                                   st.cache, out.kv)
+    return st.replace(cache=cache, counters=st.counters.replace(nfe=st.counters.nfe + rows.any().astype(jnp.int32)),
+                      n=st.n + rows.astype(jnp.int32))
 
   def window(self, tr: Any, s: jax.Array):
     return s, s, s + tr.grid.block_len

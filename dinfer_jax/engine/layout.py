@@ -106,7 +106,9 @@ def make_layout(prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, mcfg: 
                      f"{ends_rel[i]} positions, more than the model's max_position={mcfg.max_position}")
   # Block diffusion's block-causal mask is defined on position blocks: keep pads whole blocks.
   step = math.lcm(gcfg.prompt_bucket, B) if block_diffusion else gcfg.prompt_bucket
-  C = round_up(int(s0.max()), step)
+  # Block diffusion buckets by prompt length as the others do (C from P, not from the aligned s0 <= P), so that
+  # prompts of one bucket share a canvas geometry (one program, one continuous-batching pool).
+  C = round_up(int(lens.max() if block_diffusion else s0.max()), step)
   nb = math.ceil((B - 1 + G) / B) if aligned else math.ceil(G / B)
   window = policy.window_width(B, nb)
   Tc = max(C + nb * B, window)

@@ -10,9 +10,11 @@ blocks). Between calls the host takes finished rows out and puts waiting request
 Each row is laid out exactly as it would be alone (layout.make_layout of its prompt: the same first block
 C and canvas length Tc; a pool holds the rows of one (GenerationConfig, C, Tc)), its PRNG key is the one it
 would get alone, and rows never see each other (per-row masks, counters and decoder state), so its answer
-equals the request run alone. The KV cache is not carried between calls: every block starts with a refresh
-forward that rewrites the row's whole cache (no, prefix and dual cache), so the program makes it afresh.
-Block diffusion (LLaDA2), whose cache persists across blocks, is not served here.
+equals the request run alone. The masked-diffusion caches (prefix, dual) are not carried between calls: every
+block starts with a refresh forward that rewrites the row's whole cache, so the program makes it afresh.
+Block diffusion (LLaDA2) keeps each row's cache across blocks: it lives in the pool's state beside the canvas,
+a row that joins has its prompt prefilled in the call that starts it, and its next block's first forward
+rewrites its last block's K/V (the cross-block update), as when it runs alone.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.generate import bucket_rows, committed_tokens, engine_params, prepare
 from dinfer_jax.engine.layout import Layout
 from dinfer_jax.engine.program import DenoiseProgram, Knobs
-from dinfer_jax.engine.state import ROWS, axes
+from dinfer_jax.cache import KVCache
+from dinfer_jax.engine.state import CACHE, ROWS, axes
 from dinfer_jax.engine.trace import Trace
 
 
@@ -49,6 +52,8 @@ class PoolState:
   done: jax.Array = axes(ROWS)
   block: jax.Array = axes(ROWS)
   emb: jax.Array | None = axes(ROWS)
+  # Block diffusion: each row's K/V, kept across calls (one buffer per layer, [S, Tc, K, H]); None otherwise.
+  cache: KVCache | None = axes(CACHE)
 
 
 @flax.struct.dataclass
@@ -78,9 +83,16 @@ def step(program: DenoiseProgram, params: dict, st: PoolState, knobs: Knobs) -> 
   inner = loop.init_state(program, params, st.canvas, st.valid, block=st.block)
   inner = inner.replace(commit=st.commit, n=st.n, done=done, emb=st.emb if program.smoothing else inner.emb)
   tr = Trace(program, params, st.valid, st.positions, st.keys, knobs)
+  if st.cache is not None:
+    # Block diffusion keeps each row's cache across blocks, so across calls: a row that just joined has its
+    # prompt prefilled first (one forward for all of them; none when no row joined).
+    joined = (st.block == 0) & ~done
+    inner = jax.lax.cond(joined.any(), lambda s: program.cache.prefill(tr, s, joined), lambda s: s,
+                         inner.replace(cache=st.cache))
   out = loop.block_body(tr)(inner)
   new = st.replace(canvas=out.canvas, commit=out.commit, n=out.n, block=out.block,
-                   done=out.done | (out.block >= program.grid.num_blocks), emb=out.emb if program.smoothing else st.emb)
+                   done=out.done | (out.block >= program.grid.num_blocks), emb=out.emb if program.smoothing else st.emb,
+                   cache=out.cache if st.cache is not None else None)
   return new, StepCounts(out.counters.nfe, out.counters.n_full, out.counters.n_cached)
 
 
@@ -111,7 +123,8 @@ def regroup(st: PoolState, src: jax.Array, fresh: Fresh, table: jax.Array | None
                   keys=jax.vmap(jax.random.fold_in)(fresh.seed_key, fresh.key_row),
                   commit=jnp.full(valid.shape, -1, jnp.int32), n=jnp.zeros(valid.shape[:1], jnp.int32),
                   done=~valid.any(axis=1), block=jnp.zeros(valid.shape[:1], jnp.int32),
-                  emb=None if table is None else jnp.take(table, fresh.canvas, axis=0))
+                  emb=None if table is None else jnp.take(table, fresh.canvas, axis=0),
+                  cache=None if st.cache is None else jax.tree_util.tree_map(jnp.zeros_like, st.cache))
   keep = src >= 0
   old = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.maximum(src, 0), axis=0), st)
   return jax.tree_util.tree_map(lambda o, v: jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), o, v), old, new)
@@ -173,9 +186,6 @@ class SlotPool:
   def __init__(self, params: dict, mcfg: ModelConfig, gcfg: GenerationConfig, prompt: Sequence[int], *,
                capacity: int = 16, programs=None):
     lay, prog = prepare(mcfg, [list(prompt)], gcfg, batch_bucket=1)
-    if prog.cache.name == "block_diffusion":
-      raise ValueError("continuous batching: block diffusion (LLaDA2 with a cache) keeps its cache across "
-                       "blocks and is not supported; serve it with --batching window")
     if capacity < 1:
       raise ValueError(f"SlotPool: capacity={capacity} must be >= 1")
     self.mcfg, self.gcfg, self.capacity = mcfg, gcfg, capacity
@@ -234,9 +244,14 @@ class SlotPool:
     S, Tc = self.capacity, self.grid1.canvas_len
     sds = jax.ShapeDtypeStruct
     emb = sds((S, Tc, self.mcfg.d_model), self.params["embed"].dtype) if self.gcfg.smoothing else None
+    cache = None
+    if self.prog.cache.name == "block_diffusion":
+      m = self.mcfg
+      layer = sds((S, Tc, m.n_kv_heads, m.head_dim), self.params["embed"].dtype)
+      cache = KVCache(k=(layer,) * m.n_layers, v=(layer,) * m.n_layers)
     return PoolState(canvas=sds((S, Tc), jnp.int32), valid=sds((S, Tc), bool), positions=sds((S, Tc), jnp.int32),
                      keys=sds((S, 2), jnp.uint32), commit=sds((S, Tc), jnp.int32), n=sds((S,), jnp.int32),
-                     done=sds((S,), bool), block=sds((S,), jnp.int32), emb=emb)
+                     done=sds((S,), bool), block=sds((S,), jnp.int32), emb=emb, cache=cache)
 
   def _fresh(self) -> Fresh:
     S, Tc = self.capacity, self.grid1.canvas_len

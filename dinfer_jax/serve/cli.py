@@ -88,12 +88,9 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   metrics = Metrics(args.max_batch)
   common = dict(max_batch=args.max_batch, max_queue=args.max_queue, on_batch=metrics.batch, on_drop=metrics.drop,
                 programs=ProgramCache(args.max_programs))
-  if args.batching == "window" or model.config.block_diffusion:
-    if args.batching != "window":  # block diffusion keeps its cache across blocks: no slots to refill
-      log("note: LLaDA2 decodes by block diffusion, which continuous batching does not support: using "
-          "--batching window")
+  if args.batching == "window":
     batcher = DynamicBatcher(model, window_s=args.batch_window_ms / 1000, **common)
-  else:
+  else:  # block diffusion (LLaDA2) too: its slots keep each row's K/V across blocks
     batcher = ContinuousBatcher(model, **common)
   metrics.queue_depth = lambda: batcher.depth
   mask = gcfg.token_ids(model.config)[0]

@@ -105,3 +105,21 @@ def test_slots_are_bounded(model_a):
     pool.add(2, [7] * 4)
   with pytest.raises(ValueError, match="batch bucket 1 cannot hold the 2 rows"):
     pool.step(1)
+
+
+@pytest.mark.parametrize("decoder", ["threshold", pytest.param("joint_threshold", marks=pytest.mark.slow)])
+def test_block_diffusion_rows_keep_their_cache_across_calls(model_llada2, decoder):
+  """LLaDA2 block diffusion in slots: each row's K/V stay in the pool's state across calls, a row that joins
+  has its prompt prefilled in the call that starts it, and the cross-block update rewrites its last block's
+  K/V: its tokens and forwards equal the prompt run alone (prefill included)."""
+  params, mcfg = model_llada2
+  knobs = dict(threshold=0.5, edit_threshold=0.9, max_post_steps=2) if decoder == "joint_threshold" else dict(threshold=0.6)
+  g = GenerationConfig(gen_length=24, block_length=8, prompt_bucket=16, cache="dual",
+                       decoder=decoder, **knobs)
+  rng = np.random.default_rng(2)
+  prompts = [rng.integers(5, 200, size=n).tolist() for n in LENGTHS]  # their first blocks start at 0 and at 8
+  got, buckets = _run_staggered(SlotPool(params, mcfg, g, prompts[0]), prompts, [0] * len(prompts))
+  for i, p in enumerate(prompts):
+    alone = dinfer_jax.generate(model_llada2, [p], g)
+    assert (got[i].tokens, got[i].row_nfe) == (alone.tokens[0], alone.row_nfe[0]), i
+  assert max(buckets) >= 4  # rows ran together, joining and leaving at block boundaries
