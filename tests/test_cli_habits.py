@@ -46,7 +46,7 @@ def test_help_lists_choices_and_the_models_defaults(capsys):
   with pytest.raises(SystemExit):
     cli.main(["generate", "--help"])
   out = " ".join(capsys.readouterr().out.split())
-  assert "--decoder {threshold,hierarchy,credit,fixed_steps,fastdllm}" in out and "--cache {none,prefix,dual}" in out
+  assert "--decoder {threshold,hierarchy,credit,fixed_steps,fastdllm,joint_threshold,entropy}" in out and "--cache {none,prefix,dual}" in out
   assert "default 8 (the model's generation_config.json; dataclass 128)" in out  # the embedded model's
   with pytest.raises(SystemExit):
     cli.main(["generate", "--model", str(GOLDEN / "decode" / "A"), "--help"])

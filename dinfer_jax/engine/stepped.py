@@ -404,6 +404,21 @@ def _extend_cache(kv: KVCache, e: int) -> KVCache:
   return KVCache(kv.k[:, :, :e], kv.v[:, :, :e])
 
 
+def _bd_step_forward(runner, params, cfg, x, s: int, e: int, B: int, kv, *, cross: bool, use_cache: bool):
+  """One block-diffusion step's forward: (block logits, the cache, its (kind, a, b) record). cross: dInfer v0.2's
+  block entry, queries [s - B, e) each seeing the blocks up to its own, both blocks' fresh K/V persisted; else
+  the block over the cache (fresh K/V persisted), or without a cache the canvas [0, e) block-causal."""
+  if cross:
+    m = np.stack([np.arange(e) < ((q // B) + 1) * B for q in range(s - B, e)])
+    logits, kv = runner.forward(params, cfg, x[s - B:e], s - B, cache=kv, mask=m, logits_range=(B, B))
+    return logits, kv, ("cross", s - B, e)
+  if use_cache:
+    logits, kv = runner.forward(params, cfg, x[s:e], s, cache=kv, logits_range=(0, B))  # fresh K/V persisted
+    return logits, kv, ("cached", s, e)
+  logits, _ = runner.forward(params, cfg, x[:e], 0, mask=_block_causal(e, B), logits_range=(s, B))
+  return logits, kv, ("full", 0, e)
+
+
 def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefResult:
   assert gcfg.cont_weight == 0
   P, G, B = len(prompt), gcfg.gen_length, gcfg.block_length
@@ -422,12 +437,9 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
   cross = use_cache and not gcfg.dinfer_compat and not settles
 
   kv = None
-  if use_cache:
-    pre = max(s0, B)
-    _, kv = runner.forward(params, cfg, x[:pre], 0, mask=_block_causal(pre, B), logits_range=(0, 1))
-    n += 1
-    forwards.append(("prefill", 0, pre))
-    fblock.append(-1)
+  if use_cache:  # the prompt's blocks in one forward under the block-causal mask
+    _, kv = runner.forward(params, cfg, x[:max(s0, B)], 0, mask=_block_causal(max(s0, B), B), logits_range=(0, 1))
+    n, forwards, fblock = 1, [("prefill", 0, max(s0, B))], [-1]
 
   def decode(state, logits, s, e):
     new, committed, state = runner.decode(dec, state, logits, x[s:e], knobs, mask_id=mask_id, threshold=gcfg.threshold)
@@ -449,21 +461,10 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
     first = True
     while _block_pending(dec, state, x[s:e], mask_id):
       last_input_had_masks = True
-      if cross and first and s > s0:
-        # Queries [s - B, e): each sees the blocks up to its own; both blocks' fresh K/V persist. (The first
-        # decoded block follows the prefill, whose K/V are clean: a plain forward.)
-        m = np.stack([np.arange(e) < ((q // B) + 1) * B for q in range(s - B, e)])
-        logits, kv = runner.forward(params, cfg, x[s - B:e], s - B, cache=kv, mask=m, logits_range=(B, B))
-        forwards.append(("cross", s - B, e))
-        fblock.append(len(blocks) - 1)
-      elif use_cache:
-        logits, kv = runner.forward(params, cfg, x[s:e], s, cache=kv, logits_range=(0, B))  # fresh K/V persisted
-        forwards.append(("cached", s, e))
-        fblock.append(len(blocks) - 1)
-      else:
-        logits, _ = runner.forward(params, cfg, x[:e], 0, mask=_block_causal(e, B), logits_range=(s, B))
-        forwards.append(("full", 0, e))
-        fblock.append(len(blocks) - 1)
+      logits, kv, fwd = _bd_step_forward(runner, params, cfg, x, s, e, B, kv, cross=cross and first and s > s0,
+                                         use_cache=use_cache)
+      forwards.append(fwd)
+      fblock.append(len(blocks) - 1)
       n += 1
       first = False
       state = decode(state, logits, s, e)
@@ -472,9 +473,7 @@ def _block_diffusion(params, cfg, prompt, gcfg, mask_id, eos_id, runner) -> RefR
     # where the block's last forward already read its final tokens (a decoder that settles its blocks).
     if use_cache and last_input_had_masks and not settles and not cross and (gcfg.dinfer_compat or (e < T and not ends_row)):
       logits, kv = runner.forward(params, cfg, x[s:e], s, cache=kv, logits_range=(0, B))  # clean K/V
-      forwards.append(("final", s, e))
-      fblock.append(len(blocks) - 1)
-      n += 1
+      forwards, fblock, n = forwards + [("final", s, e)], fblock + [len(blocks) - 1], n + 1
       state = decode(state, logits, s, e)  # commits nothing: the block has no masks
     if ends_row:
       x[e:] = np.atleast_1d(eos_id)[0]
