@@ -121,6 +121,12 @@ def run(base: str, prompts: Sequence[str | list[int]], *, requests: int, concurr
     out["engine_calls"] = int(d["dinfer_engine_calls_total"])
     out["mean_rows_per_call"] = d["dinfer_batch_rows_sum"] / d["dinfer_engine_calls_total"]
     out["tpf"] = d["dinfer_generated_tokens_total"] / max(d["dinfer_row_forwards_total"], 1)
+  if "dinfer_prefix_cache_hit_blocks_total" in after:
+    hit, miss = d["dinfer_prefix_cache_hit_blocks_total"], d["dinfer_prefix_cache_miss_blocks_total"]
+    out["prefix_cache"] = {"hit_blocks": int(hit), "miss_blocks": int(miss),
+                           "hit_rate": hit / (hit + miss) if hit + miss else 0.0,
+                           "prefills_saved": int(d["dinfer_prefix_cache_prefills_saved_total"]),
+                           "evicted_blocks": int(d["dinfer_prefix_cache_evicted_blocks_total"])}
   return out
 
 
@@ -137,4 +143,9 @@ def report(res: dict[str, Any]) -> str:
   if "engine_calls" in res:
     lines.append(f"  server: {res['engine_calls']} engine calls, {res['mean_rows_per_call']:.2f} rows per call, "
                  f"TPF {res['tpf']:.2f}")
+  if "prefix_cache" in res:
+    pc = res["prefix_cache"]
+    lines.append(f"  prefix cache: {pc['hit_blocks']} of {pc['hit_blocks'] + pc['miss_blocks']} prompt blocks hit "
+                 f"({100 * pc['hit_rate']:.1f}%), {pc['prefills_saved']} prefill forwards saved, "
+                 f"{pc['evicted_blocks']} blocks evicted")
   return "\n".join(lines)

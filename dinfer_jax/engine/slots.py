@@ -14,7 +14,10 @@ equals the request run alone. The masked-diffusion caches (prefix, dual) are not
 block starts with a refresh forward that rewrites the row's whole cache, so the program makes it afresh.
 Block diffusion (LLaDA2) keeps each row's cache across blocks: it lives in the pool's state beside the canvas,
 a row that joins has its prompt prefilled in the call that starts it, and its next block's first forward
-rewrites its last block's K/V (the cross-block update), as when it runs alone.
+rewrites its last block's K/V (the cross-block update), as when it runs alone. With a prefix store
+(engine.prefix_cache) a joining row is prefilled before the call instead, by a program of its own that
+reuses the K/V of the whole prompt blocks other requests already had and computes only the blocks after
+them (none when all of them hit).
 """
 from __future__ import annotations
 
@@ -32,10 +35,12 @@ from dinfer_jax.engine import loop
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.generate import bucket_rows, committed_tokens, engine_params, prepare
 from dinfer_jax.engine.layout import Layout
+from dinfer_jax.engine.prefix_cache import PrefixStore
 from dinfer_jax.engine.program import DenoiseProgram, Knobs
 from dinfer_jax.cache import KVCache
 from dinfer_jax.engine.state import CACHE, ROWS, axes
 from dinfer_jax.engine.trace import Trace
+from dinfer_jax.model.transformer import forward
 
 
 @flax.struct.dataclass
@@ -54,6 +59,8 @@ class PoolState:
   emb: jax.Array | None = axes(ROWS)
   # Block diffusion: each row's K/V, kept across calls (one buffer per layer, [S, Tc, K, H]); None otherwise.
   cache: KVCache | None = axes(CACHE)
+  # [S] rows whose prompt was prefilled before the call (prefill_slot); the step prefills the other joiners.
+  prefilled: jax.Array | None = axes(ROWS)
 
 
 @flax.struct.dataclass
@@ -86,7 +93,7 @@ def step(program: DenoiseProgram, params: dict, st: PoolState, knobs: Knobs) -> 
   if st.cache is not None:
     # Block diffusion keeps each row's cache across blocks, so across calls: a row that just joined has its
     # prompt prefilled first (one forward for all of them; none when no row joined).
-    joined = (st.block == 0) & ~done
+    joined = (st.block == 0) & ~done & ~st.prefilled
     inner = jax.lax.cond(joined.any(), lambda s: program.cache.prefill(tr, s, joined), lambda s: s,
                          inner.replace(cache=st.cache))
   out = loop.block_body(tr)(inner)
@@ -124,7 +131,8 @@ def regroup(st: PoolState, src: jax.Array, fresh: Fresh, table: jax.Array | None
                   commit=jnp.full(valid.shape, -1, jnp.int32), n=jnp.zeros(valid.shape[:1], jnp.int32),
                   done=~valid.any(axis=1), block=jnp.zeros(valid.shape[:1], jnp.int32),
                   emb=None if table is None else jnp.take(table, fresh.canvas, axis=0),
-                  cache=None if st.cache is None else jax.tree_util.tree_map(jnp.zeros_like, st.cache))
+                  cache=None if st.cache is None else jax.tree_util.tree_map(jnp.zeros_like, st.cache),
+                  prefilled=jnp.zeros(valid.shape[:1], bool))
   keep = src >= 0
   old = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.maximum(src, 0), axis=0), st)
   return jax.tree_util.tree_map(lambda o, v: jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), o, v), old, new)
@@ -134,6 +142,38 @@ def regroup(st: PoolState, src: jax.Array, fresh: Fresh, table: jax.Array | None
 def regroup_jit():
   donate = (0,) if jax.default_backend() != "cpu" else ()
   return jax.jit(regroup, donate_argnums=donate)
+
+
+def prefill_slot(mcfg: ModelConfig, block_len: int, width: int, params: dict, st: PoolState, slot: jax.Array,
+                 cache: KVCache) -> tuple[PoolState, KVCache]:
+  """Block diffusion's prompt prefill of the row in `slot` against a prefix store (engine.prefix_cache): its
+  cache columns [0, C) start from `cache` (per layer [1, C, K, H]: the blocks that hit, from the store), a
+  forward of the last `width` columns of [0, C) under the block-causal mask computes the rest (none when
+  width is 0: every whole prompt block hit). Returns (the state with the row's cache written and its forward
+  counted, the row's K/V columns [0, C) for the store)."""
+  C, L = cache.length, block_len
+  row = lambda a: jax.lax.dynamic_index_in_dim(a, slot, 0, keepdims=True)
+  if width:
+    q0 = C - width
+    canvas, positions, valid = row(st.canvas)[:, :C], row(st.positions)[:, :C], row(st.valid)[:, :C]
+    qblk, kblk = (q0 + jnp.arange(width)) // L, jnp.arange(C) // L
+    mask = valid[:, None, :] & (kblk[None, None, :] <= qblk[None, :, None])
+    out = forward(params, mcfg, canvas[:, q0:], positions=positions[:, q0:], mask=mask, cache=cache,
+                  cache_start=q0, head=False)
+    cache = out.kv
+  put = lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, jax.lax.dynamic_update_slice_in_dim(
+      row(c), n.astype(c.dtype), 0, axis=1), slot, axis=0)
+  new = st.replace(cache=jax.tree_util.tree_map(put, st.cache, cache),
+                   n=st.n.at[slot].add(1 if width else 0), prefilled=st.prefilled.at[slot].set(True))
+  return new, cache
+
+
+@functools.cache
+def prefill_jit():
+  """prefill_slot's program, the model config, block length and width static. The state is donated on
+  accelerators (it is replaced in place)."""
+  donate = (4,) if jax.default_backend() != "cpu" else ()
+  return jax.jit(prefill_slot, static_argnums=(0, 1, 2), donate_argnums=donate)
 
 
 @dataclasses.dataclass
@@ -181,10 +221,12 @@ class SlotPool:
     prompt: any prompt of the pool's geometry (see `key`).
     capacity: most rows at once (the server's max batch).
     programs: an engine.programs.ProgramCache for the step and regroup programs (default: jit's own cache).
+    prefix_store: block diffusion's prefix cache across requests (engine.prefix_cache.PrefixStore, of the
+      config's block length), shared with other pools of the model; None: every row prefills its prompt.
   """
 
   def __init__(self, params: dict, mcfg: ModelConfig, gcfg: GenerationConfig, prompt: Sequence[int], *,
-               capacity: int = 16, programs=None):
+               capacity: int = 16, programs=None, prefix_store: PrefixStore | None = None):
     lay, prog = prepare(mcfg, [list(prompt)], gcfg, batch_bucket=1)
     if capacity < 1:
       raise ValueError(f"SlotPool: capacity={capacity} must be >= 1")
@@ -195,6 +237,11 @@ class SlotPool:
     self.grid1 = lay.grid
     self.eos_id, self.stop_ids = prog.eos_id, prog.stop_ids
     self.programs = programs
+    if prefix_store is not None and (prog.cache.name != "block_diffusion" or prefix_store.block_len != lay.grid.block_len):
+      raise ValueError(f"SlotPool: a prefix store serves block diffusion with block_length={prefix_store.block_len} "
+                       f"(this pool: {prog.cache.name} cache, block_length={lay.grid.block_len})")
+    self.store = prefix_store
+    self._prefills = 0  # prefill forwards run before the next step call (its counts take them)
     self.rows: list[Row | None] = []  # slot i's row, for the slots in use
     self.state: PoolState | None = None
     self._waiting: list[Row] = []
@@ -251,7 +298,8 @@ class SlotPool:
       cache = KVCache(k=(layer,) * m.n_layers, v=(layer,) * m.n_layers)
     return PoolState(canvas=sds((S, Tc), jnp.int32), valid=sds((S, Tc), bool), positions=sds((S, Tc), jnp.int32),
                      keys=sds((S, 2), jnp.uint32), commit=sds((S, Tc), jnp.int32), n=sds((S,), jnp.int32),
-                     done=sds((S,), bool), block=sds((S,), jnp.int32), emb=emb, cache=cache)
+                     done=sds((S,), bool), block=sds((S,), jnp.int32), emb=emb, cache=cache,
+                     prefilled=sds((S,), bool))
 
   def _fresh(self) -> Fresh:
     S, Tc = self.capacity, self.grid1.canvas_len
@@ -318,7 +366,21 @@ class SlotPool:
     table = self.params["embed"] if self.gcfg.smoothing else None
     self.state = self._regroup_program()(state, src, fresh, table)
     self.rows = rows
+    if self.store is not None:
+      for j in range(len(keep), len(rows)):
+        self._prefill(j, rows[j])
     self._waiting, self._leaving = [], set()
+
+  def _prefill(self, slot: int, r: Row) -> None:
+    """The row's prompt prefill against the prefix store (prefill_slot), before the step call."""
+    L, C = self.grid1.block_len, self.grid1.first_block
+    first = r.pad // L
+    blocks = [tuple(int(t) for t in r.canvas[r.pad + i * L:r.pad + (i + 1) * L]) for i in range(C // L - first)]
+    plan = self.store.plan(blocks, first, C)
+    self.state, kv = prefill_jit()(self.mcfg, L, plan.width, self.params, self.state, slot,
+                                   KVCache(*self.store.read(plan)))
+    self.store.write(plan, kv.k, kv.v)
+    self._prefills += plan.width > 0
 
   def step(self, B: int | None = None) -> tuple[list[Finished], list[tuple[Any, list[int]]], dict[str, int]]:
     """Takes leaving rows out and waiting rows in, then decodes one block of every row, at batch bucket B
@@ -328,6 +390,7 @@ class SlotPool:
     if B < self.active or B > self.capacity:
       raise ValueError(f"SlotPool.step: batch bucket {B} cannot hold the {self.active} rows (capacity "
                        f"{self.capacity})")
+    self._prefills = 0
     self._regroup()
     self.state, counts = self._step_program(B)(self.params, self.state, self.knobs)
     # Small: all slots.
@@ -342,7 +405,9 @@ class SlotPool:
         self._leaving.add(i)
       elif i not in self._leaving:
         progress.append((r.owner, r.tokens(canvas[i], C + int(block[i]) * L, self.stop_ids)))
-    return finished, progress, {"nfe": int(counts.nfe), "n_full": int(counts.n_full),
+    # Prefills before the call are forwards of their own (one per row that computed any block), counted as
+    # the step's own prefill is: in nfe alone.
+    return finished, progress, {"nfe": int(counts.nfe) + self._prefills, "n_full": int(counts.n_full),
                                 "n_cached": int(counts.n_cached)}
 
   def drain(self) -> None:

@@ -40,6 +40,9 @@ def register(subparsers, model_defaults=None) -> None:
   s.add_argument("--batch-window-ms", type=float, default=5.0,
                  help="window batching: gather requests for this long after the oldest waiting one arrived "
                       "(default %(default)s)")
+  s.add_argument("--prefix-cache-mb", type=float, default=1024.0,
+                 help="block diffusion (LLaDA2) with continuous batching: device MiB per block length for the K/V "
+                      "of prompt blocks reused across requests (LRU; 0: off; default %(default)s)")
   s.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
   s.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (504 after it)")
   s.add_argument("--api-key", default=None,
@@ -91,7 +94,8 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
   if args.batching == "window":
     batcher = DynamicBatcher(model, window_s=args.batch_window_ms / 1000, **common)
   else:  # block diffusion (LLaDA2) too: its slots keep each row's K/V across blocks
-    batcher = ContinuousBatcher(model, **common)
+    batcher = ContinuousBatcher(model, prefix_cache_mb=args.prefix_cache_mb, **common)
+    metrics.prefix = batcher.prefix_stats
   metrics.queue_depth = lambda: batcher.depth
   mask = gcfg.token_ids(model.config)[0]
   specs = []

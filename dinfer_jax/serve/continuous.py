@@ -14,6 +14,11 @@ request alone runs at batch 1); a bucket that is not compiled yet compiles on a 
 goes on at a bigger one, or waits if it has none. Requests are admitted in arrival order; a request that
 does not fit its pool waits, and no later request of that pool passes it.
 
+Block diffusion (LLaDA2) reuses prompt K/V across requests when given a byte budget (`serve
+--prefix-cache-mb`): one engine.prefix_cache.PrefixStore per block length, shared by the pools of that
+length; a joining row's whole prompt blocks that another request already had are copied into its slot and
+only the blocks after them are prefilled.
+
 Sampled requests (temperature > 0) put their n choices into n rows with the PRNG keys rows 0..n-1 of a
 call seeded with the request's seed would get, so each choice equals the request run alone.
 """
@@ -24,7 +29,9 @@ import queue
 import time
 from typing import Any
 
+from dinfer_jax.engine import cache_policy
 from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine.prefix_cache import PrefixStats, PrefixStore
 from dinfer_jax.engine.slots import SlotPool
 from dinfer_jax.serve.batcher import Batcher, BatchStats, Choice, Job, batch_buckets
 
@@ -44,11 +51,16 @@ class _Run:
 
 
 class ContinuousBatcher(Batcher):
-  """Slots refilled at block boundaries (see the module docstring); the arguments are Batcher's."""
+  """Slots refilled at block boundaries (see the module docstring); the arguments are Batcher's, and
+  prefix_cache_mb: block diffusion's prefix cache budget per block length in MiB (0: off)."""
   kind = "continuous"
 
-  def __init__(self, model, **kw):
+  def __init__(self, model, *, prefix_cache_mb: float = 0.0, **kw):
     super().__init__(model, **kw)
+    if not prefix_cache_mb >= 0:
+      raise ValueError(f"ContinuousBatcher: prefix_cache_mb={prefix_cache_mb} must be >= 0")
+    self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
+    self._stores: dict[int, PrefixStore] = {}  # block length -> its store (made by the engine thread's first pool)
     self._pools: dict[tuple, SlotPool] = {}
     self._runs: dict[Job, _Run] = {}
     self._keys: dict[Job, Any] = {}  # waiting job -> its layout alone (engine.slots.SlotPool.layout)
@@ -60,12 +72,31 @@ class ContinuousBatcher(Batcher):
   def _workers(self):
     return [("dinfer-batcher", self._loop), ("dinfer-compile", self._compile_loop)]
 
-  def _new_pool(self, gcfg: GenerationConfig, prompt) -> SlotPool:
-    return SlotPool(self.model.params, self.model.config, gcfg, prompt, capacity=self.max_batch,
-                    programs=self.programs)
+  def _new_pool(self, gcfg: GenerationConfig, prompt, *, store: bool = True) -> SlotPool:
+    """A pool for gcfg's prompts like `prompt`; store=False (compile-only pools of other threads) never
+    makes a prefix store."""
+    mcfg = self.model.config
+    ps = None
+    if store and self.prefix_cache_bytes and cache_policy.for_config(mcfg, gcfg).name == "block_diffusion":
+      L = gcfg.block_length
+      ps = self._stores.get(L)
+      if ps is None:
+        ps = self._stores[L] = PrefixStore(mcfg, L, self.model.params["embed"].dtype, self.prefix_cache_bytes)
+    return SlotPool(self.model.params, mcfg, gcfg, prompt, capacity=self.max_batch, programs=self.programs,
+                    prefix_store=ps)
 
   def _compile_spec(self, gcfg, prompt, bucket) -> bool:
-    return self._new_pool(gcfg, prompt).compile(bucket)
+    return self._new_pool(gcfg, prompt, store=False).compile(bucket)
+
+  def prefix_stats(self) -> tuple[PrefixStats, int] | None:
+    """The prefix stores' counts summed and their bytes in use (None without a prefix cache)."""
+    if not self.prefix_cache_bytes or not self.model.config.block_diffusion:
+      return None
+    total = PrefixStats()
+    for st in list(self._stores.values()):
+      for f in dataclasses.fields(PrefixStats):
+        setattr(total, f.name, getattr(total, f.name) + getattr(st.stats, f.name))
+    return total, sum(s.used_bytes for s in list(self._stores.values()))
 
   # ------------------------------------------------------------------ compile thread
 

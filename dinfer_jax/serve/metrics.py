@@ -46,6 +46,7 @@ class Metrics:
     self.engine_calls = 0
     self.dropped = 0
     self.queue_depth = lambda: 0
+    self.prefix = lambda: None  # (engine.prefix_cache.PrefixStats, bytes in use), or None without the cache
     self.latency = Histogram(LATENCY_BUCKETS)
     self.engine_seconds = Histogram(LATENCY_BUCKETS)
     self.batch_rows = Histogram([b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= max_batch])
@@ -88,6 +89,20 @@ class Metrics:
            self.generated_tokens / self.row_forwards if self.row_forwards else 0.0),
           ("dinfer_queue_depth", "gauge", "Requests waiting to run.", self.queue_depth()),
       ]
+      prefix = self.prefix()
+      if prefix is not None:
+        ps, used = prefix
+        simple += [
+            ("dinfer_prefix_cache_hit_blocks_total", "counter", "Prompt blocks whose K/V came from the prefix cache.",
+             ps.hit_blocks),
+            ("dinfer_prefix_cache_miss_blocks_total", "counter", "Prompt blocks looked up and not found.",
+             ps.miss_blocks),
+            ("dinfer_prefix_cache_evicted_blocks_total", "counter", "Blocks evicted (least recently used).",
+             ps.evicted_blocks),
+            ("dinfer_prefix_cache_prefills_saved_total", "counter",
+             "Prefill forwards not run: every whole prompt block hit.", ps.prefills_saved),
+            ("dinfer_prefix_cache_bytes", "gauge", "Device bytes the cached blocks take.", used),
+        ]
       for name, typ, help_, v in simple:
         L += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name} {v}"]
       for name, help_, h in (("dinfer_request_latency_seconds", "Completion request latency.", self.latency),

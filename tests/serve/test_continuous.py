@@ -151,3 +151,38 @@ def test_serve_picks_the_batching_block_diffusion_included():
     assert b.programs.compiles == 0
   assert kinds == ["continuous", "window", "continuous"]
   assert not any("block diffusion" in n for n in notes)
+
+
+def test_block_diffusion_reuses_prompt_blocks_across_requests():
+  """LLaDA2 served continuously with a prefix cache: requests that share a system prompt, one after another,
+  answer as alone; from the second on their shared blocks hit, and /metrics reports the hits and the
+  prefill forwards saved."""
+  import pathlib
+
+  import numpy as np
+
+  from dinfer_jax.engine.config import GenerationConfig
+  from dinfer_jax.serve.metrics import Metrics
+  model = dinfer_jax.load(pathlib.Path(__file__).resolve().parents[1] / "golden" / "forward" / "tiny_llada2_moe",
+                          dtype="float32")
+  g = GenerationConfig(gen_length=8, block_length=8, prompt_bucket=16, cache="dual", threshold=0.6)
+  rng = np.random.default_rng(5)
+  system = rng.integers(5, 200, size=16).tolist()
+  prompts = [system + rng.integers(5, 200, size=n).tolist() for n in (4, 6, 2)]  # two whole blocks each
+  metrics = Metrics(2)
+  b = ContinuousBatcher(model, max_batch=2, prefix_cache_mb=1, on_batch=metrics.batch)
+  metrics.prefix = b.prefix_stats
+  out = []
+  b.start()
+  try:
+    for p in prompts:
+      ev = threading.Event()
+      b.submit(Job(prompt=p, gcfg=g, on_done=lambda res, ev=ev: (out.append(res), ev.set())))
+      assert ev.wait(120)
+  finally:
+    b.stop()
+  for res, p in zip(out, prompts):
+    assert res[0].tokens == dinfer_jax.generate(model, [p], g).tokens[0]
+  text = metrics.render()
+  assert "dinfer_prefix_cache_hit_blocks_total 4\n" in text and "dinfer_prefix_cache_miss_blocks_total 2\n" in text
+  assert "dinfer_prefix_cache_prefills_saved_total 2\n" in text
