@@ -3,9 +3,9 @@
 Meshes: 1; tensor 2; expert 4; tensor 2 x expert 4; data 2 x tensor 4; data 8. The forward's logits must
 match to 1e-5 of their scale (fp32; tensor/expert parallelism only reorders sums), generation must give
 identical tokens, commit steps and NFE (every decoder, the caches incl. dual + vicinity, smoothing,
-sampling, block diffusion, a ragged batch that does not divide the data axis). The default run covers
+sampling, block diffusion, token editing, a ragged batch that does not divide the data axis). The default run covers
 every mesh and every case once (mesh i takes case i) and the forward on the three 8-device meshes; -m slow
-runs the full 6 x 6 matrix and the forward on every mesh.
+runs the full 6 x 7 matrix and the forward on every mesh.
 """
 import functools
 
@@ -33,10 +33,14 @@ CASES = {
                                                        prefix_look=4, after_look=4, warmup_steps=1,
                                                        cont_weight=0.3)),
     "llada2_block_diffusion": ("llada2", dict(decoder="threshold", threshold=0.9, cache="dual")),
+    # LLaDA2.1's token editing: blocks that end when they settle, committed tokens rewritten.
+    "llada2_joint_threshold": ("llada2", dict(decoder="joint_threshold", threshold=0.5, edit_threshold=0.0,
+                                              max_post_steps=4, cache="dual")),
 }
 
 _MESH_NAMES, _CASE_NAMES = list(MESHES), list(CASES)
-DEFAULT = set(zip(_MESH_NAMES, _CASE_NAMES))
+# Mesh i takes case i; the cases past the meshes take the tensor x expert mesh.
+DEFAULT = set(zip(_MESH_NAMES, _CASE_NAMES)) | {("t2e4", c) for c in _CASE_NAMES[len(_MESH_NAMES):]}
 MATRIX = [pytest.param(m, c, marks=() if (m, c) in DEFAULT else pytest.mark.slow)
           for m in _MESH_NAMES for c in _CASE_NAMES]
 
