@@ -15,7 +15,9 @@ def bytes_per_forward(cfg: ModelConfig, *, dtype_bytes: int, batch: int, tokens:
   head_bytes: the same for the LM head (quantised only on request: QuantConfig.lm_head).
   weights: attention (q, k, v, o), norms, router, the touched experts of every layer, the LM head;
   embed: the looked-up rows; kv: the K/V of every layer the forward attends to (read) plus its own K/V.
-  Expected distinct experts per layer for n routed pairs: E * (1 - (1 - k/E)^n)."""
+  Expected distinct experts per layer for n tokens, each routed to k of E uniformly: E * (1 - (1 - k/E)^n)
+  (a token misses a given expert with probability 1 - k/E). It matters where n * k is near E: LLaDA2-mini's
+  block of 32 at batch 1 touches about 163 of its 256 experts, not all."""
   D, N, K, H, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size
   q = dtype_bytes if quant_bytes is None else quant_bytes  # the matmul kernels' bytes per element
   attn = (D * N * H * 2 + D * K * H * 2) * q + (2 * D + (2 * H if cfg.qk_norm else 0)) * dtype_bytes
@@ -23,8 +25,7 @@ def bytes_per_forward(cfg: ModelConfig, *, dtype_bytes: int, batch: int, tokens:
   touched = 0.0
   moe = 0.0
   if cfg.n_moe_layers:
-    pairs = batch * tokens * cfg.n_experts_per_tok
-    touched = cfg.n_experts * (1.0 - (1.0 - cfg.n_experts_per_tok / cfg.n_experts) ** pairs)
+    touched = cfg.n_experts * (1.0 - (1.0 - cfg.n_experts_per_tok / cfg.n_experts) ** (batch * tokens))
     expert = 3 * D * cfg.expert_ffn_dim
     moe = D * cfg.n_experts * dtype_bytes + (touched * expert + 3 * D * cfg.shared_expert_ffn_dim) * q
   dense = 3 * D * cfg.ffn_dim * q

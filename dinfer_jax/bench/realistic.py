@@ -318,8 +318,12 @@ class GroupedGemm:
   blocks: int = 0
   working_blocks: int = 0
   eight_bit_flops: float = 0.0  # padded FLOPs of the calls whose rows are 8-bit (W8A8)
+  # Weight bytes of the groups no row is routed to (idle_groups): the cost analysis charges every group's
+  # weights, the kernels read only the groups that have rows.
+  idle_weight_bytes: float = 0.0
 
-  def add(self, t: dict[str, float], eight_bit: bool = False) -> None:
+  def add(self, t: dict[str, float], eight_bit: bool = False, idle_bytes: float = 0.0) -> None:
+    self.idle_weight_bytes += idle_bytes
     self.calls += 1
     self.routed_flops += t["routed_flops"]
     self.padded_flops += t["padded_flops"]
@@ -329,6 +333,13 @@ class GroupedGemm:
 
   def empty_s(self, ch: Charges) -> float:
     return 1e-6 * ch.empty_wave_us * (self.blocks - self.working_blocks) / ch.resident_blocks
+
+
+def idle_groups(M: int, G: int) -> float:
+  """Expected groups that find none of M rows routed uniformly at random: G (1 - 1/G)^M. Negligible where rows
+  are many per group (LLaDA-MoE: M/G >= 8); about 94 of 256 for LLaDA2-mini's 32-token block at batch 1
+  (256 rows: a block touches about 163 experts, bench.floors)."""
+  return G * (1.0 - 1.0 / G) ** M
 
 
 def grouped_gemm_tiles(M: int, K: int, N: int, G: int, ch: Charges) -> dict[str, float]:
@@ -372,14 +383,15 @@ def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
       if own is not None:
         t = grouped_gemm.tiles(own["M"], own["K"], own["N"], own["G"], own["n_weights"],
                                grouped_gemm.Plan(own["block_m"], own["slots"]))
-        out.add(t, eight_bit=bool(ins) and ins[0][0] in _EIGHT_BIT)
+        wb = sum(_DT_BYTES[dt] * own["K"] * own["N"] for dt, s in ins if s == (own["G"], own["K"], own["N"]))
+        out.add(t, eight_bit=bool(ins) and ins[0][0] in _EIGHT_BIT, idle_bytes=idle_groups(own["M"], own["G"]) * wb)
         continue
       if len(ins) < 2 or len(ins[0][1]) != 2 or len(ins[1][1]) != 3 or not outs or len(outs[0][1]) != 2:
         continue
       (M, K), (G, K2, N) = ins[0][1], ins[1][1]
       if K != K2 or outs[0][1] != (M, N):
         continue
-      out.add(grouped_gemm_tiles(M, K, N, G, ch))
+      out.add(grouped_gemm_tiles(M, K, N, G, ch), idle_bytes=idle_groups(M, G) * _DT_BYTES[ins[1][0]] * K * N)
   return out
 
 
@@ -598,7 +610,8 @@ def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, 
   bitcast) and for the grouped GEMM's tiles, plus the kernel floors and the empty grid blocks."""
   k = kernels(mod, ch)
   gg = grouped_gemms(mod, ch)
-  moved = cost["bytes"] - gather_overcount(mod) - scatter_overcount(mod) - sliced_overcount(mod)
+  moved = (cost["bytes"] - gather_overcount(mod) - scatter_overcount(mod) - sliced_overcount(mod)
+           - gg.idle_weight_bytes)
   flops = cost["flops"] + (gg.padded_flops - gg.routed_flops)
   flops8 = min(eight_bit_dot_flops(mod) + gg.eight_bit_flops, flops)
   body_s = max(moved / ch.hbm_bytes_per_s, (flops - flops8) / ch.bf16_flops + flops8 / ch.eight_bit_flops)
@@ -609,4 +622,5 @@ def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, 
           "kernels": k.total, "graphs": k.graphs, "kernels_in_graphs": k.in_graphs, "separate_launches": k.separate,
           "kernels_by_kind": dict(k.by_kind), "kernel_overhead_s": overhead, "grouped_gemm_calls": gg.calls,
           "grouped_gemm_pad_flops": gg.padded_flops - gg.routed_flops, "grouped_gemm_empty_s": empty,
+          "grouped_gemm_idle_weight_bytes": gg.idle_weight_bytes,
           "overcount_bytes": cost["bytes"] - moved, "dequantized_copy_bytes": dequantized_copies(mod)}

@@ -55,6 +55,7 @@ from dinfer_jax.engine.program import Knobs
 from dinfer_jax.model import moe, params as params_lib, quant
 
 DINFER_TPF = 3.87  # dInfer, LLaDA-MoE, threshold 0.8 + smoothing + vicinity, dual cache (paper Table 1)
+LLADA21_S_TPF = 5.93  # LLaDA2.1-mini, S mode (M2T 0.5, T2T 0.0), as its report counts forwards (editing.md)
 
 _GPU_INFO = """gpu_device_info {{
   threads_per_block_limit: 1024  threads_per_warp: 32  shared_memory_per_block: 49152
@@ -281,8 +282,11 @@ SETTINGS = {
     # threshold 0.8 + iteration smoothing + vicinity refresh (prefix/after look 16, warm-up 4): dInfer's
     # KV-cache row, TPF 3.87.
     "dinfer": DINFER_TPF,
-    # plain threshold 0.8: dInfer reports no TPF for it with a cache; give --tpf.
+    # plain threshold 0.8: dInfer reports no TPF for it with a cache; give --tpf (LLaDA2.0: 3.08, editing.md).
     "threshold": None,
+    # LLaDA2.1's token editing, S mode (JointThreshold 0.5 / 0.0): TPF 5.93 on LLaDA2.1-mini as its report counts
+    # forwards (editing.md); blocks settle on a forward that saw them, so no cross-block forward.
+    "editing": LLADA21_S_TPF,
 }
 
 
@@ -291,6 +295,11 @@ def generation_config(preset: presets.Preset, cache: str, setting: str = "dinfer
     raise ValueError(f"--setting {setting!r}: choose from {', '.join(SETTINGS)}")
   gcfg = GenerationConfig(gen_length=preset.gen_length, block_length=preset.block_length, cache=cache,
                           threshold=0.8, prompt_bucket=preset.block_length, early_stop=True)
+  if setting == "editing":
+    return gcfg.replace(decoder="joint_threshold", threshold=0.5, edit_threshold=0.0)
+  if setting == "dinfer" and preset.model().block_diffusion:
+    raise ValueError("--setting dinfer compiles iteration smoothing, which block diffusion does not run; use "
+                     "--setting threshold --tpf T or --setting editing")
   if setting == "dinfer":
     vic = dict(prefix_look=16, after_look=16, warmup_steps=4) if cache == "dual" else {}
     gcfg = gcfg.replace(cont_weight=0.3, **vic)
@@ -371,7 +380,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   for kind, (f, args) in forward_programs(cfg, gcfg, lay, prog, abstract_dtype=dtype, cache_out=True).items():
     # A cached forward takes the cache donated and returns it, as the engine's loop carries it: its K/V
     # writes are then in place (argument 2 of f(params, inputs, cache, ...)).
-    donate = (2,) if kind.startswith("cached") else ()
+    donate = (2,) if kind.startswith("cached") or kind == "cross" else ()
     # The engine's compile options, as its loop compiles these forwards.
     compiled, compile_s = target.compile(f, aparams, *target.abstract(args), donate=donate,
                                          options=loop.compiler_options(target.backend))
@@ -379,9 +388,12 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     mc = ModuleCost(text)
     cost = mc.total()
     real = realistic.forward_time(cost, realistic.Module(text), charges)
-    step = steps["cached" if kind.startswith("cached") else "refresh"]
-    tokens = Tc if kind == "full" else (int(kind.split("@")[1]) if "@" in kind else W)
-    kv_len = 0 if kind == "full" else Tc
+    # Block diffusion's prefill decodes nothing; its cross-block forward decodes the block as a cached one does.
+    step = ({"realistic_s": 0.0, "kernels": 0} if kind == "prefill"
+            else steps["cached" if kind.startswith("cached") or kind == "cross" else "refresh"])
+    tokens = {"full": Tc, "prefill": grid.prefill_len, "cross": 2 * L}.get(
+        kind, int(kind.split("@")[1]) if "@" in kind else W)
+    kv_len = 0 if kind in ("full", "prefill") else Tc
     floor = bytes_per_forward(cfg, dtype_bytes=dbytes, batch=batch, tokens=tokens, kv_len=kv_len, logits_tokens=L,
                               quant_bytes=qbytes, head_bytes=head_bytes)
     floor_bytes = floor["total"] + batch * L * cfg.vocab_size * 4  # fp32 logits written
@@ -403,7 +415,9 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
         "realistic_ms": 1e3 * real["realistic_s"], "step_ms": 1e3 * step["realistic_s"],
         "step_kernels": step["kernels"], **{k: v for k, v in real.items() if k != "realistic_s"},
     })
-  if with_generate:
+  # Block diffusion is predicted from its forwards: the generate program's iteration costing (loop_costs)
+  # reads the masked-diffusion loop's shape (refresh entry, cached steps).
+  if with_generate and not prog.cache.block_diffusion:
     args = (jnp.asarray(lay.canvas), jnp.asarray(lay.valid), jnp.asarray(lay.positions), jax.random.PRNGKey(0))
     # The engine's own compile options for the target (loop.compiler_options: on GPU the device-driven loop).
     options = loop.compiler_options(target.backend)
@@ -501,6 +515,16 @@ def _generation_s(t: dict[str, float], cache: str, G: int, L: int, tpf: float, p
   return refreshes * (t["refresh"] + per_block_s) + sum(cached / refreshes * t[k] for k in kinds)
 
 
+def _bd_generation_s(t: dict[str, float], G: int, L: int, tpf: float) -> float:
+  """Seconds of a G-token block-diffusion generation at tpf tokens per forward (the decode forwards, as
+  SGLang and LLaDA2.1's report count them): the prompt's prefill, and per block one cross-block forward (its
+  first, when the program has one) and cached forwards for the rest."""
+  forwards = G / tpf
+  blocks = -(-G // L)
+  cross = blocks if "cross" in t else 0
+  return t["prefill"] + cross * t.get("cross", 0.0) + max(forwards - cross, 0.0) * t["cached"]
+
+
 def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float,
             charges: realistic.Charges = realistic.H200) -> list[dict[str, Any]]:
   """Predicted TPS per (batch, cache) at tpf tokens per forward: ideal (the forwards' roofline times at spec
@@ -518,6 +542,19 @@ def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float,
     per_step = gen[0]["host_syncs_per_step"] if gen else None
     per_block = gen[0]["host_syncs_per_block"] if gen else None
     sync_s = 1e-6 * charges.sync_us
+    if "prefill" in {r["kind"] for r in fwd}:  # block diffusion
+      kinds = {r["kind"]: r for r in fwd}
+      gen_s = _bd_generation_s({k: r["roofline_ms"] / 1e3 for k, r in kinds.items()}, G, L, tpf)
+      floor_s = _bd_generation_s({k: r["floor_ms"] / 1e3 for k, r in kinds.items()}, G, L, tpf)
+      real_s = _bd_generation_s({k: (r["realistic_ms"] + r["step_ms"]) / 1e3 for k, r in kinds.items()}, G, L, tpf)
+      out.append({"batch": batch, "cache": cache, "weights": weights, "tpf": tpf, "generate_ms": 1e3 * gen_s,
+                  "predicted_tps_per_seq": G / gen_s, "predicted_tps_aggregate": batch * G / gen_s,
+                  "floor_tps_per_seq": G / floor_s, "realistic_generate_ms": 1e3 * real_s,
+                  "realistic_tps_per_seq": G / real_s, "realistic_tps_aggregate": batch * G / real_s,
+                  "realistic_source": "composed forwards", "composed_realistic_tps_per_seq": G / real_s,
+                  "composed_realistic_tps_aggregate": batch * G / real_s,
+                  "host_syncs_per_step": None, "host_syncs_per_block": None})
+      continue
     gen_s = _generation_s({r["kind"]: r["roofline_ms"] / 1e3 for r in fwd}, cache, G, L, tpf)
     floor_s = _generation_s({r["kind"]: r["floor_ms"] / 1e3 for r in fwd}, cache, G, L, tpf)
     composed = {r["kind"]: (r["realistic_ms"] + r["step_ms"]) / 1e3 + (per_step or 0) * sync_s for r in fwd}
@@ -685,7 +722,8 @@ def main(argv=None) -> int:
                   help="default: cuda when the CUDA plugin is installed, else cpu")
   ap.add_argument("--setting", default="dinfer", choices=sorted(SETTINGS),
                   help="decoder settings compiled: dinfer = threshold 0.8 + smoothing + vicinity (TPF 3.87), "
-                       "threshold = plain threshold 0.8 (needs --tpf)")
+                       "threshold = plain threshold 0.8 (needs --tpf), editing = LLaDA2.1's JointThreshold S "
+                       "mode (TPF 5.93)")
   ap.add_argument("--tpf", type=float, default=None,
                   help="tokens per forward for the predicted TPS (default: the setting's known figure)")
   ap.add_argument("--weights", default="bf16",

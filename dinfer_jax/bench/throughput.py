@@ -190,6 +190,14 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, prog, *, ta
       c0 = Tc - w
       progs[cached_kind(grid.windows, w)] = (cached_fwd, (inputs(canvas[:, c0:]), cache, pos[:, c0:], valid,
                                                   jnp.ones((Bsz, w), bool), jnp.int32(c0), jnp.int32(w - L)))
+  if mode == "block_diffusion" and prog.cache.cross_block and Tc >= 2 * L:
+    # The cross-block update (dInfer v0.2): the block entry's forward over the previous block and this one, each
+    # query seeing the blocks up to its own, both blocks' K/V returned; the current block's logits.
+    c0 = C
+    qcol = c0 + jnp.arange(2 * L)
+    cross_mask = valid[:, None, :] & (col[None, None, :] < ((qcol // L + 1) * L)[None, :, None])
+    progs["cross"] = (cached_fwd, (inputs(canvas[:, c0:c0 + 2 * L]), cache, pos[:, c0:c0 + 2 * L], cross_mask,
+                                   jnp.ones((Bsz, 2 * L), bool), jnp.int32(c0), jnp.int32(L)))
   if mode == "block_diffusion":
     P = grid.prefill_len
     bc = (blk_of[None, :P, None] >= blk_of[None, None, :P]) & valid[:, None, :P]

@@ -490,3 +490,15 @@ def test_block_entry_is_costed_by_how_often_each_branch_runs():
     realistic.specialize(_GENERATE_TAIL, "tail_entry", "q", 0)
   with pytest.raises(ValueError, match="no branch 2"):
     realistic.specialize(_GENERATE_TAIL, "tail_entry", "r", 2)
+
+
+def test_groups_no_row_reaches_are_not_charged_their_weights():
+  """M rows routed at random over G groups leave G (1 - 1/G)^M groups empty, whose weights the grouped
+  kernels never read: about 94 of LLaDA2-mini's 256 experts for its 32-token block at batch 1 (256 rows), none
+  to speak of for LLaDA-MoE's 64 experts at 96 tokens (768 rows)."""
+  assert realistic.idle_groups(256, 256) == pytest.approx(256 * (255 / 256) ** 256) == pytest.approx(94.0, abs=0.2)
+  assert realistic.idle_groups(768, 64) < 1e-3
+  g = realistic.GroupedGemm()
+  g.add({"routed_flops": 1.0, "padded_flops": 1.0, "blocks": 1, "working_blocks": 1}, idle_bytes=5.0)
+  g.add({"routed_flops": 1.0, "padded_flops": 1.0, "blocks": 1, "working_blocks": 1}, idle_bytes=2.0)
+  assert g.idle_weight_bytes == 7.0

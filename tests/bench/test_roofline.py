@@ -105,6 +105,30 @@ def test_weights_formats_side_by_side():
     roofline.main(["--preset", "tiny", "--target", "cpu", "--weights", "int4"])
 
 
+@pytest.mark.parametrize("setting", ["threshold", "editing"])
+def test_block_diffusion_is_predicted_from_its_own_forwards(setting):
+  """LLaDA2's block diffusion: the prompt's prefill, the cross-block forward (the previous block and this one,
+  2L queries; not for token editing, whose blocks settle on a forward that saw them) and the cached block
+  forward; a generation is one prefill, per block one cross-block forward and the rest of G / TPF cached."""
+  tpf = 3.08 if setting == "threshold" else None
+  res = roofline.run("tiny_llada2", ["h200"], [1], ["dual"], "cpu", tpf, with_generate=True, progress=None,
+                     setting=setting)
+  rows = {r["kind"]: r for r in res["rows"]}
+  G, L = 64, 16
+  want = {"prefill", "cached"} | ({"cross"} if setting == "threshold" else set())
+  assert set(rows) == want  # no generate program row: block diffusion is composed from its forwards
+  assert rows["cached"]["tokens"] == L and rows["prefill"]["tokens"] == 16 and rows["prefill"]["step_ms"] == 0
+  assert res["tpf"] == (3.08 if setting == "threshold" else roofline.LLADA21_S_TPF)
+  t = {k: (r["realistic_ms"] + r["step_ms"]) / 1e3 for k, r in rows.items()}
+  cross = G // L if setting == "threshold" else 0
+  if cross:
+    assert rows["cross"]["tokens"] == 2 * L and rows["cross"]["flops"] > rows["cached"]["flops"]
+  gen_s = t["prefill"] + cross * t.get("cross", 0) + (G / res["tpf"] - cross) * t["cached"]
+  assert res["predictions"][0]["realistic_tps_per_seq"] == pytest.approx(G / gen_s)
+  with pytest.raises(ValueError, match="block diffusion does not run"):
+    roofline.run("tiny_llada2", ["h200"], [1], ["dual"], "cpu", None, progress=None, setting="dinfer")
+
+
 def test_bad_arguments():
   with pytest.raises(SystemExit, match="--batches"):
     roofline.main(["--preset", "tiny", "--target", "cpu", "--batches", "0"])
