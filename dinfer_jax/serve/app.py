@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal, Sequence, Union
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dinfer_jax.answer import cut_at_stop, settled_prefix, with_token_cap
@@ -57,7 +57,8 @@ class _Knobs(BaseModel):
 
 
 class CompletionRequest(_Knobs):
-  prompt: Union[str, list[str], list[int], list[list[int]]]
+  # Strict ints: JSON true/false are not token ids (pydantic's lax mode would read them as 1 and 0).
+  prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
 
 
 class ChatMessage(BaseModel):
@@ -191,7 +192,12 @@ class Service:
     return list(ids)
 
   def completion_prompts(self, p) -> list[list[int]]:
-    """/v1/completions' prompt field -> token-id prompts."""
+    """/v1/completions' prompt field -> token-id prompts. More prompts than the queue holds are refused before
+    any is encoded (a 100,000-prompt request could never run, and encoding it took 20 s)."""
+    many = isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p)
+    if many and len(p) > self.batcher.max_queue:
+      raise APIError(400, f"prompt: {len(p)} prompts in one request; this server queues at most "
+                          f"{self.batcher.max_queue} (--max-queue)", param="prompt")
     if isinstance(p, str):
       prompts = [self.encode_text(p)]
     elif p and all(isinstance(x, int) for x in p):
@@ -328,7 +334,8 @@ class Service:
 
   async def serve(self, request: Request, req: _Knobs, prompts: list[list[int]], chat: bool, param: str):
     t0 = time.perf_counter()
-    gs = self.configs(req, prompts, param)
+    # Each prompt's rule and validation: off the event loop, as the encoding (/health answers meanwhile).
+    gs = await asyncio.to_thread(self.configs, req, prompts, param)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     if req.stream:
@@ -517,4 +524,5 @@ def create_app(model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig) -> 
     ids = await asyncio.to_thread(svc.chat_prompt, req.messages)  # off the event loop, as completions
     return await svc.serve(request, req, [ids], chat=True, param="messages")
 
+  metrics.routes = frozenset(r.path for r in app.routes)
   return app

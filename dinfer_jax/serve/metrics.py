@@ -7,10 +7,18 @@ import threading
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def _escape(v: str) -> str:
+  """A label value as the exposition format writes it: backslash, double quote and newline escaped."""
+  return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _labels(labels: dict[str, str]) -> str:
   if not labels:
     return ""
-  return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+  return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+OTHER_ROUTE = "other"
 
 
 class Histogram:
@@ -40,6 +48,9 @@ class Metrics:
   def __init__(self, max_batch: int):
     self._lock = threading.Lock()
     self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
+    # The app's route paths: any other path a client sends counts as OTHER_ROUTE, so the labels stay bounded
+    # whatever is requested (None: paths as given, for callers without routes).
+    self.routes: frozenset[str] | None = None
     self.generated_tokens = 0
     self.row_forwards = 0  # forwards each row took part in, summed: tokens / row_forwards is TPF
     self.engine_forwards = 0  # forwards the engine executed (a batched forward counts once)
@@ -52,6 +63,8 @@ class Metrics:
     self.batch_rows = Histogram([b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= max_batch])
 
   def request(self, endpoint: str, status: int, seconds: float | None = None) -> None:
+    if self.routes is not None and endpoint not in self.routes:
+      endpoint = OTHER_ROUTE
     with self._lock:
       self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
       if seconds is not None:

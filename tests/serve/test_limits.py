@@ -142,3 +142,51 @@ def test_half_sent_headers_are_cut_off_and_whole_requests_served():
   finally:
     server.should_exit = True
     t.join(10)
+
+
+def test_metrics_labels_stay_bounded_and_parse(default_model, default_gcfg):
+  """Paths nobody routes (a 4 KB one, one with a quote and a backslash) count under one `other` label, so
+  /metrics neither grows with what clients request nor stops parsing; label values are escaped."""
+  metrics = Metrics(2)
+  app = create_app(default_model, DynamicBatcher(default_model, max_batch=2), metrics,
+                   ServerConfig("default", default_gcfg))
+  paths = [f"/nothing/{i}" for i in range(40)] + ["/x" * 2048, '/a"b\\c']
+
+  async def scenario():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+      codes = [(await c.get(p)).status_code for p in paths]
+      return codes, (await c.get("/metrics")).text
+
+  codes, text = asyncio.run(scenario())
+  assert set(codes) == {404}
+  labelled = [ln for ln in text.splitlines() if ln.startswith("dinfer_requests_total{")]
+  assert labelled == ['dinfer_requests_total{endpoint="other",status="404"} 42']
+  import re
+  sample = re.compile(r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="(\\.|[^"\\\n])*",?)*\})? [-+0-9.eE]+(e[+-]?\d+)?|[-+]?Inf|NaN')
+  assert all(ln.startswith("#") or sample.fullmatch(ln) for ln in text.splitlines() if ln), text
+  # Without routes (a bare Metrics), a value with a quote, a backslash and a newline is escaped.
+  m = Metrics(2)
+  m.request('a"b\\c\nd', 404)
+  assert 'dinfer_requests_total{endpoint="a\\"b\\\\c\\nd",status="404"} 1' in m.render()
+
+
+def test_prompt_lists_are_bounded_and_token_ids_are_integers(default_model, default_gcfg):
+  """More prompts than the queue holds are a 400 naming the limit, refused before any is encoded; JSON
+  booleans are not token ids."""
+  app = create_app(default_model, DynamicBatcher(default_model, max_batch=2, max_queue=8), Metrics(2),
+                   ServerConfig("default", default_gcfg))
+
+  async def scenario():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+      many = await c.post("/v1/completions", json={"model": "default", "prompt": ["1+1"] * 100_000})
+      flags = await c.post("/v1/completions", json={"model": "default", "prompt": [True, False]})
+      nested = await c.post("/v1/completions", json={"model": "default", "prompt": [[4, 5], [True, 5]]})
+      return many, flags, nested
+
+  many, flags, nested = asyncio.run(scenario())
+  assert many.status_code == 400 and many.json()["error"]["param"] == "prompt"
+  assert "100000 prompts" in many.json()["error"]["message"] and "at most 8" in many.json()["error"]["message"]
+  for r in (flags, nested):
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt"), r.json()

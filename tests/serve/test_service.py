@@ -19,6 +19,7 @@ class FakeBatcher:
   def __init__(self):
     self.jobs = []
     self.depth = 0
+    self.max_queue = 4
 
   def validate(self, prompt, gcfg, n=1):
     if len(prompt) > 50:
@@ -59,6 +60,7 @@ def test_prompts_encoding_and_their_errors(svc, default_model):
   assert ids == [default_model.tokenizer.encode("<|user|>348+279<|assistant|>", add_special_tokens=False)]
   assert svc.completion_prompts([5, 6]) == [[5, 6]] and svc.completion_prompts([[5], [6, 7]]) == [[5], [6, 7]]
   assert len(svc.completion_prompts(["a", "b"])) == 2
+  assert "5 prompts in one request" in _err(svc.completion_prompts, ["a"] * 5).message
   for bad, text in (([], "a string"), ([[]], "empty prompt"), ([10**6], "outside the vocabulary"),
                     ([1, "a"], "a string")):
     assert text in _err(svc.completion_prompts, bad).message
