@@ -57,7 +57,8 @@ class CheckResult:
     results: One verdict per test (all False when the probe run did not report).
     reason: "passed", "failed" (some test false), "no_report" (the program ended the probe run before the
       harness's record: an exit, a signal, an exception at top level), "timeout" (the probe run's wall
-      clock), "limit" (another limit: CPU, output, memory).
+      clock), "limit" (another limit: CPU, output, memory), "unrunnable" (the program cannot be run at
+      all: text that is not valid Unicode, or larger than the sandbox takes; nothing runs).
     probe_run: The probe run's sandbox result (stdout and stderr are the program's, for diagnostics).
   """
   passed: bool
@@ -229,6 +230,9 @@ def split_tests(tests: Sequence[str], setup: str = "") -> SplitTests:
         probes.append(ast.unparse(ast.fix_missing_locations(_capture(p))))
   if len(probes) > MAX_PROBES:
     raise UnverifiableTest(f"the tests need {len(probes)} probes, at most {MAX_PROBES}")
+  if tests and not probes:
+    # Every name they use is a builtin or the setup's: an empty program passes them.
+    raise UnverifiableTest("no test uses a name the program defines (they pass without the program)")
   return SplitTests(tuple(verdicts), tuple(probes))
 
 
@@ -348,6 +352,16 @@ def _record_after(stdout: str, nonce: str):
     return None
 
 
+def runnable(code: str, limits: sandbox.Limits) -> bool:
+  """Whether the sandbox takes `code`: text it can write (a lone surrogate from the model's detokenised text
+  cannot be) within its code size. A program that is not is a failed check, never an exception that ends an
+  evaluation run."""
+  try:
+    return len(code.encode("utf-8", "surrogateescape")) <= sandbox.max_code_bytes(limits)
+  except UnicodeEncodeError:
+    return False
+
+
 def check_tests(program: str, tests: Sequence[str], setup: str = "", *,
                 limits: sandbox.Limits = sandbox.Limits(), mode: str | None = None,
                 split: SplitTests | None = None) -> CheckResult:
@@ -371,6 +385,8 @@ def check_tests(program: str, tests: Sequence[str], setup: str = "", *,
   probe_program = "\n".join([
       _PROBE_PRELUDE.replace("@MAX_ITER@", str(MAX_ITER_ITEMS)), setup or "", program, "",
       _PROBE_EPILOGUE.replace("@PROBES@", ", ".join(split.probe_exprs)).replace("@NONCE@", repr(nonce))])
+  if not runnable(probe_program, limits):
+    return CheckResult(False, (False,) * n, "unrunnable")
   run = sandbox.run_python(probe_program, limits=limits, mode=mode)
   record = _record_after(run.stdout, nonce)
   if not isinstance(record, list) or len(record) != len(split.probe_exprs):

@@ -642,10 +642,15 @@ def _new_workdir() -> str:
   return tempfile.mkdtemp(prefix="dinfer-sandbox-", dir=_workdir_parent())
 
 
+def max_code_bytes(limits: Limits) -> int:
+  """The largest program a run takes: half its disk (the program file lives there)."""
+  return limits.disk_bytes // 2
+
+
 def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
   code_bytes = code.encode("utf-8", "surrogateescape")
-  if len(code_bytes) > limits.disk_bytes // 2:
-    raise ValueError(f"code is {len(code_bytes)} bytes; at most disk_bytes/2 = {limits.disk_bytes // 2}")
+  if len(code_bytes) > max_code_bytes(limits):
+    raise ValueError(f"code is {len(code_bytes)} bytes; at most disk_bytes/2 = {max_code_bytes(limits)}")
   why = _cannot_hold(mode)
   if why:
     raise SandboxError(f"sandbox mode {mode!r} cannot hold here: {why}")

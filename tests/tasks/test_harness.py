@@ -135,3 +135,23 @@ def test_mbpp_scoring_uses_the_harness_and_the_sandbox(tmp_path, monkeypatch):
   assert not leak.exists()
   assert not mbpp_utils.passes(TRICKS["sys_exit_before_asserts"], "", TESTS)
   assert not mbpp_utils.passes(TRICKS["eq_always_true"], "", TESTS)
+
+
+@pytest.mark.parametrize("tests,setup", [(["assert max([1, 5, 3]) == 5"], ""), (["assert 1 + 1 == 2"], ""),
+                                         (["assert gcd(12, 18) == 6"], "from math import *"),
+                                         (["assert round(2.675, 2) == 2.67"], "")])
+def test_tests_that_pass_without_the_program_are_refused(tests, setup):
+  """A test set whose names are all builtins or the setup's passes the empty answer: it is refused (MBPP
+  scores it a failure, a JSONL task refuses the record), and an empty answer never passes."""
+  from dinfer_jax.evaluation.tasks import mbpp_utils
+  with pytest.raises(harness.UnverifiableTest, match="no test uses a name the program defines"):
+    harness.split_tests(tests, setup)
+  with pytest.warns(UserWarning, match="cannot verify"):
+    assert mbpp_utils.process_results({"test_list": tests, "test_imports": [setup] if setup else []}, [""]) == {
+        "pass_at_1": 0.0}
+
+
+def test_programs_the_sandbox_cannot_take_fail():
+  for program in (RIGHT + "# \ud800", RIGHT + "#" * (LIMITS.disk_bytes // 2)):
+    r = check(program)
+    assert (r.passed, r.reason, r.results) == (False, "unrunnable", (False,) * 3)

@@ -70,7 +70,11 @@ def test_jsonl_errors_name_file_line_and_key(tmp_path):
          ("{\"prompt\": \"q\", \"answer\": \"1\", \"split\": \"dev\"}\n", r"p\.jsonl:1: 'split' must be"),
          ("{\"prompt\": \"q\", \"answer\": \"1\", \"id\": 3}\n{\"prompt\": \"r\", \"answer\": \"2\", \"id\": \"3\"}\n",
           r"id '3' occurs twice"),
-         ("\n\n", r"p\.jsonl: no problems")]
+         ("\n\n", r"p\.jsonl: no problems"),
+         # Tests that an empty program passes (only builtins, or the setup's names) are no test of it.
+         ("{\"prompt\": \"q\", \"tests\": [\"assert max([1, 5, 3]) == 5\"]}\n", r"p\.jsonl:1: no test uses a name"),
+         ("{\"prompt\": \"q\", \"tests\": [\"assert gcd(12, 18) == 6\"], \"setup\": \"from math import *\"}\n",
+          r"p\.jsonl:1: no test uses a name")]
   for text, msg in bad:
     (tmp_path / "p.jsonl").write_text(text)
     with pytest.raises(ValueError, match=msg):
@@ -112,8 +116,11 @@ def test_code_verifier_runs_the_program_in_the_sandbox(tmp_path):
   assert t.check(p, "```python\ndef is_even(n):\n    return math.fmod(n, 2) == 0\n```")
   assert t.check(p, p.answer)
   for wrong in ["def is_even(n): return True", "def is_even(n):\n  while True: pass", "syntax error(",
-                "import os\nos.system('echo hi')\ndef is_even(n): return n % 2 == 0\nraise SystemExit(1)", ""]:
-    assert not t.check(p, wrong), wrong
+                "import os\nos.system('echo hi')\ndef is_even(n): return n % 2 == 0\nraise SystemExit(1)", "",
+                # Programs the sandbox cannot take fail their check instead of ending the run: a lone surrogate
+                # (not writable as text) and 4 MiB of code.
+                "def is_even(n): return n % 2 == 0  # \ud800", "def is_even(n): return n % 2 == 0\n" + "#" * (4 << 20)]:
+    assert not t.check(p, wrong), wrong[:80]
 
 
 # ---------------------------------------------------------------------- the default model, via chat
