@@ -377,7 +377,10 @@ print(json.dumps(out))
     "/usr/bin/python3", os.X_OK), reason="needs root (to become nobody), setpriv and /usr/bin/python3")
 def test_non_root_modes_contain_hostile_programs():
   tag = uuid.uuid4().hex
-  outside = f"{REPO}/pwn-{tag}/@MODE@"  # the repository: not even visible inside
+  # The repository: not even visible inside. The sandbox gives programs a /tmp of their own, so a clone under
+  # /tmp would be shadowed by it (the write lands in the sandbox's /tmp, never on the host): aim at /var/tmp.
+  base = "/var/tmp" if REPO.resolve().is_relative_to("/tmp") else str(REPO)
+  outside = f"{base}/pwn-{tag}/@MODE@"
   secret = "s3cret-" + uuid.uuid4().hex
   programs = {
       "environ": ENVIRON_THIEF,
@@ -421,7 +424,7 @@ def test_non_root_modes_contain_hostile_programs():
     assert not os.path.exists(outside.replace("@MODE@", "userns"))
     assert not os.path.exists(f"/tmp/dirfd-{tag}-userns") and not os.path.exists(f"/dirfd-{tag}-userns")
   finally:
-    shutil.rmtree(f"{REPO}/pwn-{tag}", ignore_errors=True)
+    shutil.rmtree(f"{base}/pwn-{tag}", ignore_errors=True)
     for leftover in (f"/tmp/dirfd-{tag}-userns", f"/dirfd-{tag}-userns"):
       if os.path.exists(leftover):
         os.unlink(leftover)
