@@ -37,6 +37,7 @@ import os
 import pathlib
 import re
 import shutil
+import sys
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -46,7 +47,7 @@ from orbax.checkpoint import future as ocp_future, type_handlers as ocp_th
 
 from dinfer_jax.checkpoint.errors import CheckpointError, read_json_object
 from dinfer_jax.checkpoint.keymap import LAYOUTS
-from dinfer_jax.checkpoint.outdir import atomic_dir, writes_stopped
+from dinfer_jax.checkpoint.outdir import atomic_dir, is_within, writes_stopped
 from dinfer_jax.config import ConfigError, ModelConfig
 from dinfer_jax.model import params as params_lib, quant
 from dinfer_jax.model.params import FP32_PARAMS, abstract_params, leaf_dtype  # noqa: F401 (re-exported)
@@ -148,14 +149,32 @@ def _save_registry(lazy_handler):
   )
 
 
+def _link_root(src: pathlib.Path) -> str:
+  """The directory a checkpoint's symlinks may point into: SRC itself, or for a Hugging Face cache snapshot
+  (models--ORG--NAME/snapshots/REV, whose files are links to ../../blobs) the model's cache directory."""
+  real = pathlib.Path(os.path.realpath(src))
+  if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+    return str(real.parent.parent)
+  return str(real)
+
+
 def aux_files(src: os.PathLike) -> list[pathlib.Path]:
-  """Top-level non-weight files of a checkpoint dir that travel with it (tokenizer, templates, code...)."""
+  """Top-level non-weight files of a checkpoint dir that travel with it (tokenizer, templates, code...). A
+  symlink to a file outside the checkpoint (or its Hugging Face cache entry) is not taken: it would copy a
+  file the user never put in SRC, at the output's permissions. The skipped links are said in one line."""
   src = pathlib.Path(src)
-  out = []
+  root = _link_root(src)
+  out, outside = [], []
   for f in sorted(src.iterdir()):
     if (f.is_file() and not f.name.startswith(".") and f.name not in _NOT_COPIED
         and not f.name.endswith(_WEIGHT_SUFFIXES)):
+      target = os.path.realpath(f)
+      if f.is_symlink() and not is_within(target, root):
+        outside.append(f"{f.name} -> {target}")
+        continue
       out.append(f)
+  if outside:
+    print(f"not copied from {src}: links to files outside it: {', '.join(outside)}", file=sys.stderr)
   return out
 
 

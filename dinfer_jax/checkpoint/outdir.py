@@ -7,13 +7,17 @@ Rules, enforced by `atomic_dir` before anything is written:
     wrote (it holds the MARKER file), unless the caller also passes replace_unmarked=True (the CLI's
     `--overwrite-unmarked DST`, where the user names the directory a second time).
   * Everything is written to a staging sibling `.DST.tmp-<pid>-<hex>` that is renamed to DST at the very
-    end; any failure, SIGINT or SIGTERM removes it. Staging directories left by processes that no longer
+    end; any failure, SIGINT or SIGTERM removes it. At that swap DST is checked again, under a lock on its
+    parent that every writer takes (a DST another process made meanwhile, or a concurrent run's output, is
+    refused by the same rules, not replaced), and what is renamed aside is checked once more before it is
+    deleted. Staging directories left by processes that no longer
     exist (SIGKILL, power loss) are removed by the next write to the same DST.
 Nothing outside DST and the staging siblings is ever deleted.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -43,7 +47,7 @@ class Interrupted(BaseException):
                      "(the partial output was removed)")
 
 
-def _is_within(path: str, root: str) -> bool:
+def is_within(path: str, root: str) -> bool:
   return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
@@ -59,9 +63,9 @@ def check_destination(dst: os.PathLike, *, sources: Sequence[os.PathLike] = (), 
     s = os.path.realpath(src)
     if d == s:
       raise CheckpointError(f"{dst_abs}: the output directory is the source {src}; choose another DST")
-    if _is_within(s, d):
+    if is_within(s, d):
       raise CheckpointError(f"{dst_abs}: the output directory contains the source {src}; choose another DST")
-    if _is_within(d, s):
+    if is_within(d, s):
       raise CheckpointError(f"{dst_abs}: the output directory is inside the source {src}; choose another DST")
   if dst_abs.is_symlink():
     raise CheckpointError(f"{dst_abs} is a symbolic link; refusing to replace it (give the real directory)")
@@ -75,6 +79,46 @@ def check_destination(dst: os.PathLike, *, sources: Sequence[os.PathLike] = (), 
           f"{dst_abs} was not written by dinfer-jax (no {MARKER} file); refusing to replace it. To replace it "
           f"anyway, name it again: --overwrite-unmarked {dst} (replace_unmarked=True)")
   return dst_abs
+
+
+@contextlib.contextmanager
+def _parent_lock(parent: pathlib.Path) -> Iterator[None]:
+  """An exclusive lock on DST's parent directory for the check and the renames of a swap: two writers of one
+  DST swap one after the other, the second seeing the first's output. Held for milliseconds."""
+  fd = os.open(parent, os.O_RDONLY)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)  # releases the lock
+
+
+def _swap(tmp: pathlib.Path, dst: pathlib.Path, check) -> None:
+  """Renames the finished staging dir `tmp` to `dst`. `check(path)` (check_destination's rules) runs on DST
+  at this moment, and again on what is renamed aside before it is deleted: a DST made after the start by
+  someone else is refused like one that was there, and nothing the rules protect is removed."""
+  with _parent_lock(dst.parent):
+    check(dst)
+    if not os.path.lexists(dst):
+      try:
+        tmp.rename(dst)  # rename(2) replaces an empty directory at most, never files or a non-empty one
+      except OSError as e:
+        raise CheckpointError(f"{dst} appeared while this run was writing it and was left as it is: "
+                              f"{e.strerror or e}") from None
+      return
+    old = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    dst.rename(old)
+    try:
+      check(old)  # what was renamed is what gets deleted: check it, not the name
+    except CheckpointError:
+      old.rename(dst)
+      raise CheckpointError(f"{dst} changed while this run was writing it and was left as it is") from None
+    try:
+      tmp.rename(dst)
+    except BaseException:
+      old.rename(dst)
+      raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 _STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
@@ -263,17 +307,8 @@ def atomic_dir(dst: os.PathLike, overwrite: bool = False, *, sources: Sequence[o
       _ignore_signals()  # the swap is two renames; an interruption between them would lose DST
       if _pending:  # an interruption whose raise was swallowed: the output may be incomplete
         raise _pending[0]
-      if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        dst.rename(old)
-        try:
-          tmp.rename(dst)
-        except BaseException:
-          old.rename(dst)
-          raise
-        shutil.rmtree(old, ignore_errors=True)
-      else:
-        tmp.rename(dst)
+      _swap(tmp, dst, lambda p: check_destination(p, sources=sources, overwrite=overwrite,
+                                                   replace_unmarked=replace_unmarked))
   except BaseException as e:
     with _signals_ignored():
       _stop_writes.set()

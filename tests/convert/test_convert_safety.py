@@ -83,6 +83,63 @@ def test_outputs_carry_the_marker_and_can_be_replaced(tmp_path):
   assert sorted(p.name for p in (tmp_path / "conv2").iterdir() if p.name.startswith(".")) == [outdir.MARKER]
 
 
+def test_a_dst_made_during_the_run_is_refused_at_the_swap_not_deleted(tmp_path):
+  """DST did not exist when the run began; someone made it (with a file) before the swap. The run refuses
+  by the same rules as at the start (with or without overwrite: it is not this code's output), the file
+  stays, and nothing of the run is left. A second run into one DST, started before the first swapped, is
+  refused too instead of replacing the first's output; with overwrite it replaces it, as asked."""
+  dst = tmp_path / "out"
+  for overwrite, why in ((False, "already exists"), (True, "was not written by dinfer-jax")):
+    with pytest.raises(ck.CheckpointError, match=why):
+      with outdir.atomic_dir(dst, overwrite=overwrite) as tmp:
+        (tmp / "weights").write_text("new")
+        dst.mkdir(exist_ok=True)
+        (dst / "user.txt").write_text("mine")
+    assert (dst / "user.txt").read_text() == "mine" and sorted(leftovers(tmp_path, "out")) == ["out"]
+  (dst / "user.txt").unlink()
+  dst.rmdir()
+  for overwrite in (False, True):
+    second = outdir.atomic_dir(dst, overwrite=overwrite)
+    tmp2 = second.__enter__()  # the second run checked DST (absent, or the first's output) and is writing
+    (tmp2 / "weights").write_text(f"second {overwrite}")
+    with outdir.atomic_dir(dst, overwrite=True) as tmp1:
+      (tmp1 / "weights").write_text("first")
+    if overwrite:
+      second.__exit__(None, None, None)
+      assert (dst / "weights").read_text() == "second True"
+    else:
+      with pytest.raises(ck.CheckpointError, match="already exists"):
+        second.__exit__(None, None, None)
+      assert (dst / "weights").read_text() == "first"
+    assert sorted(leftovers(tmp_path, "out")) == ["out"]
+
+
+def test_links_to_files_outside_the_source_are_not_copied(tmp_path, capsys):
+  """A tokenizer file in SRC that links to a private file elsewhere is not copied (one line says so); a Hugging
+  Face cache snapshot, whose files all link to the model's blobs, converts with its files."""
+  src = copy_model("llada", tmp_path / "src")
+  secret = tmp_path / "private.json"
+  secret.write_text('{"token": "s3cret"}')
+  secret.chmod(0o600)
+  (src / "special_tokens_map.json").symlink_to(secret)
+  ck.hf2jax(src, tmp_path / "conv")
+  assert not (tmp_path / "conv" / "special_tokens_map.json").exists()
+  assert f"special_tokens_map.json -> {secret}" in capsys.readouterr().err
+  # models--org--name/snapshots/REV/* -> ../../blobs/*: inside the model's cache entry.
+  repo = tmp_path / "hub" / "models--org--tiny"
+  snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+  snap.mkdir(parents=True)
+  blobs.mkdir()
+  for f in copy_model("llada", tmp_path / "plain").iterdir():
+    f.rename(blobs / f.name)
+    (snap / f.name).symlink_to(pathlib.Path("../../blobs") / f.name)
+  (blobs / "tokenizer_config.json").write_text("{}")
+  (snap / "tokenizer_config.json").symlink_to(pathlib.Path("../../blobs/tokenizer_config.json"))
+  ck.hf2jax(snap, tmp_path / "conv_hub")
+  assert (tmp_path / "conv_hub" / "tokenizer_config.json").read_text() == "{}"
+  assert "not copied" not in capsys.readouterr().err
+
+
 def test_cli_refusals_exit_2_and_leave_everything(src_and_parent):
   src, parent = src_and_parent
   before = _tree_digest(parent)
