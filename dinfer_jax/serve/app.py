@@ -84,6 +84,9 @@ class ServerConfig:
   # Required as "Authorization: Bearer KEY" on /v1/* when set (as vLLM's --api-key); /health and /metrics
   # stay open for probes.
   api_key: str | None = None
+  # The Host names requests may carry (None: any). Without an API key the CLI allows only the bound address
+  # and localhost: a web page cannot reach a server on this machine by rebinding its own name to 127.0.0.1.
+  allowed_hosts: tuple[str, ...] | None = None
 
 
 class _BodyLimit:
@@ -489,10 +492,33 @@ def _auth_middleware(api_key: str):
   return auth
 
 
+def host_name(header: str) -> str:
+  """The host of a Host header: without its port, an IPv6 address without brackets, lower case."""
+  h = header.strip().lower()
+  if h.startswith("["):
+    return h[1:h.find("]")] if "]" in h else h
+  return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+def _host_middleware(allowed: tuple[str, ...]):
+  names = {h.lower() for h in allowed}
+
+  async def check_host(request: Request, call_next):
+    if host_name(request.headers.get("host", "")) not in names:
+      request.app.state.service.metrics.request(request.url.path, 400)
+      return error_response(400, f"Host {request.headers.get('host', '')!r} is not one this server answers "
+                                 "(serve --allowed-hosts)", "invalid_request_error", code="invalid_host")
+    return await call_next(request)
+  return check_host
+
+
 def create_app(model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig) -> FastAPI:
   """The FastAPI app: routes that hand each request to a Service (app.state.service)."""
-  app = FastAPI(title="dinfer-jax", docs_url=None, redoc_url=None)
+  # No /docs, /redoc or /openapi.json: the API is OpenAI's, and the schema is not for anyone who connects.
+  app = FastAPI(title="dinfer-jax", docs_url=None, redoc_url=None, openapi_url=None)
   app.add_middleware(_BodyLimit, limit=cfg.max_body_bytes)
+  if cfg.allowed_hosts is not None:
+    app.middleware("http")(_host_middleware(cfg.allowed_hosts))
   if cfg.api_key:
     app.middleware("http")(_auth_middleware(cfg.api_key))
   svc = app.state.service = Service(model, batcher, metrics, cfg)

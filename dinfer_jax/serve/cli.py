@@ -45,6 +45,9 @@ def register(subparsers, model_defaults=None) -> None:
                       "of prompt blocks reused across requests (LRU; 0: off; default %(default)s)")
   s.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
   s.add_argument("--timeout-s", type=float, default=120.0, help="per-request timeout (504 after it)")
+  s.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                 help="Host header names requests may carry ('*': any). Default without an API key: the --host "
+                      "address and localhost (no DNS rebinding from a web page); with one: any")
   s.add_argument("--api-key", default=None,
                  help="require 'Authorization: Bearer KEY' on /v1/* (default: $DINFER_JAX_API_KEY, else none)")
   s.add_argument("--header-timeout-s", type=float, default=10.0,
@@ -121,12 +124,22 @@ def build(args: argparse.Namespace, log=lambda m: print(m, file=sys.stderr, flus
       return _for_text(tok.decode(list(prompt[:64]), skip_special_tokens=False))
   scfg = ServerConfig(model_name=model_name(model, args.served_model_name), gcfg=gcfg, timeout_s=args.timeout_s,
                       max_body_bytes=int(args.max_body_mb * 2**20), api_key=api_key(args),
-                      config_for=config_for)
+                      config_for=config_for, allowed_hosts=allowed_hosts(args))
   return create_app(model, batcher, metrics, scfg), batcher, scfg, specs
 
 
 def api_key(args: argparse.Namespace) -> str | None:
   return args.api_key or os.environ.get("DINFER_JAX_API_KEY") or None
+
+
+def allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
+  """--allowed-hosts, or its default: None (any) with an API key, else the bound address and localhost."""
+  if args.allowed_hosts is not None:
+    names = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+    return None if "*" in names else names
+  if api_key(args):
+    return None
+  return tuple(dict.fromkeys((args.host, "localhost", "127.0.0.1", "::1")))
 
 
 def is_loopback(host: str) -> bool:
@@ -146,7 +159,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
   from dinfer_jax.serve.protocol import with_header_timeout  # the serve extra (uvicorn)
   if not is_loopback(args.host) and not api_key(args):
     print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the "
-          "model", file=sys.stderr, flush=True)
+          f"model (requests must name one of these hosts: {', '.join(allowed_hosts(args) or ['any'])}; "
+          "--allowed-hosts)", file=sys.stderr, flush=True)
   if not (args.header_timeout_s > 0 and args.keep_alive_s > 0):
     raise SystemExit(f"error: --header-timeout-s {args.header_timeout_s} and --keep-alive-s {args.keep_alive_s} "
                      "must be > 0")

@@ -190,3 +190,37 @@ def test_prompt_lists_are_bounded_and_token_ids_are_integers(default_model, defa
   assert "100000 prompts" in many.json()["error"]["message"] and "at most 8" in many.json()["error"]["message"]
   for r in (flags, nested):
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("prompt"), r.json()
+
+
+def test_host_header_is_checked_and_the_schema_is_closed(default_model, default_gcfg):
+  """With allowed hosts (serve's default without an API key: the bound address and localhost), a request
+  naming another host (a rebinding web page's) is a 400; /openapi.json is not served."""
+  from dinfer_jax.serve.app import host_name
+  assert [host_name(h) for h in ("LocalHost:8000", "[::1]:80", "::1", "127.0.0.1")] == [
+      "localhost", "::1", "::1", "127.0.0.1"]
+  app = create_app(default_model, DynamicBatcher(default_model, max_batch=2), Metrics(2),
+                   ServerConfig("default", default_gcfg, allowed_hosts=("127.0.0.1", "localhost")))
+
+  async def scenario():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as c:
+      return ((await c.get("/health", headers={"Host": "evil.example"})), (await c.get("/health")),
+              (await c.get("/health", headers={"Host": "localhost:8000"})), (await c.get("/openapi.json")))
+
+  evil, ok, local, schema = asyncio.run(scenario())
+  assert evil.status_code == 400 and evil.json()["error"]["code"] == "invalid_host"
+  assert ok.status_code == 200 and local.status_code == 200 and schema.status_code == 404
+
+
+def test_serve_allows_the_bound_host_and_localhost_without_a_key():
+  import argparse
+
+  from dinfer_jax.serve import cli as serve_cli
+  p = argparse.ArgumentParser()
+  serve_cli.register(p.add_subparsers())
+  args = lambda *a: p.parse_args(["serve", *a])  # noqa: E731
+  assert serve_cli.allowed_hosts(args()) == ("127.0.0.1", "localhost", "::1")
+  assert serve_cli.allowed_hosts(args("--host", "10.0.0.5")) == ("10.0.0.5", "localhost", "127.0.0.1", "::1")
+  assert serve_cli.allowed_hosts(args("--api-key", "k")) is None
+  assert serve_cli.allowed_hosts(args("--allowed-hosts", "*")) is None
+  assert serve_cli.allowed_hosts(args("--allowed-hosts", "a.example, b.example")) == ("a.example", "b.example")
