@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import pathlib
+import stat
 from typing import Any
 
 import jax
@@ -55,10 +56,21 @@ def resolve_path(path: str | os.PathLike | None) -> pathlib.Path:
   return p
 
 
+# Tokenizer files are a few MB (LLaDA2's tokenizer.json: 7 MB); anything far larger is not one.
+MAX_TOKENIZER_FILE_BYTES = 256 * 2**20
+
+
 def load_tokenizer(path: pathlib.Path):
   present = [f for f in TOKENIZER_FILES if (path / f).exists()]
   if not present:
     return None
+  for f in present:  # a FIFO would block the read for ever, /dev/zero fill the memory: check before reading
+    st = os.stat(path / f)
+    if not stat.S_ISREG(st.st_mode):
+      raise checkpoint.CheckpointError(f"{path / f}: not a regular file; refusing to read it as a tokenizer")
+    if st.st_size > MAX_TOKENIZER_FILE_BYTES:
+      raise checkpoint.CheckpointError(f"{path / f}: {st.st_size} bytes, more than a tokenizer file holds "
+                                       f"(at most {MAX_TOKENIZER_FILE_BYTES})")
   transformers = hf_quiet.import_transformers()  # heavy import: only when a tokenizer is there
   try:
     with hf_quiet.errors_only():
@@ -81,7 +93,8 @@ def load_config(path: str | os.PathLike | None = None) -> tuple[ModelConfig, dic
 
 
 def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
-         mesh: jax.sharding.Mesh | None = None, quantize: "str | quant.QuantConfig | None" = None) -> Model:
+         mesh: jax.sharding.Mesh | None = None, quantize: "str | quant.QuantConfig | None" = None,
+         allow_nonfinite: bool = False) -> Model:
   """Loads an HF checkpoint directory or a converted (orbax) one.
 
   Args:
@@ -93,6 +106,8 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
       blocks) or a model.quant.QuantConfig: the attention and FFN/expert weights are quantised on load
       (model/quant.py). An 8-bit checkpoint (converted with --quantize, or an HF FP8 one with
       weight_scale_inv blocks) loads as stored when this is None, and is requantised otherwise.
+    allow_nonfinite: load weights holding NaN or Inf (refused by default, naming them: such a model answers
+      pad tokens, or nothing, without another sign).
   """
   qc = quant.QuantConfig.parse(quantize)
   p = resolve_path(path)
@@ -110,6 +125,10 @@ def load(path: str | os.PathLike | None = None, *, dtype: str = "float32",
   else:
     raise checkpoint.CheckpointError(f"{p}: neither an HF checkpoint (config.json + *.safetensors) nor a "
                                      "converted dinfer-jax checkpoint")
+  bad = [] if allow_nonfinite else params_lib.nonfinite_weights(params)
+  if bad:
+    raise checkpoint.CheckpointError(f"{p}: the model {params_lib.describe_nonfinite(bad)} "
+                                     "(allow_nonfinite=True loads it anyway)")
   if qc is not None:
     # An 8-bit checkpoint asked for another format (e.g. FP8 block scales -> per channel, the fast GEMM path)
     # is requantised leaf by leaf; one already in that format is kept as stored.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal, Mapping
 
 Family = Literal["llada_moe", "llada", "llada2_moe"]
@@ -91,8 +92,8 @@ class ModelConfig:
     need(self.shared_expert_ffn_dim >= 0, "shared_expert_ffn_dim", "must be >= 0")
     need(0 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0, "rotary_dim",
          f"must be even and in [0, head_dim={self.head_dim}]")
-    need(self.rope_theta > 0, "rope_theta", "must be positive")
-    need(self.rms_eps > 0, "rms_eps", "must be positive")
+    for f in ("rope_theta", "rms_eps", "routed_scaling_factor"):
+      need(math.isfinite(getattr(self, f)) and getattr(self, f) > 0, f, "must be a positive finite number")
     for f in ("mask_token_id", "eos_token_id"):
       need(0 <= getattr(self, f) < self.vocab_size, f, f"must be a token id in [0, vocab_size={self.vocab_size})")
     need(self.moe_impl in MOE_IMPLS, "moe_impl", f"must be one of {MOE_IMPLS}")
@@ -168,7 +169,7 @@ class ModelConfig:
     return cls(**cfg)
 
 
-def _get(hf, key, default=dataclasses.MISSING, *, typ=None):
+def _get(hf, key, default=dataclasses.MISSING, *, typ=None, positive: bool = False):
   if key not in hf or hf[key] is None:
     if default is dataclasses.MISSING:
       raise ConfigError(f"config.json: required field {key!r} is missing")
@@ -176,8 +177,10 @@ def _get(hf, key, default=dataclasses.MISSING, *, typ=None):
   v = hf[key]
   if typ is int and not (isinstance(v, int) and not isinstance(v, bool)):
     raise ConfigError(f"config.json: field {key!r} must be an int, got {v!r}")
-  if typ is float and not isinstance(v, (int, float)):
-    raise ConfigError(f"config.json: field {key!r} must be a number, got {v!r}")
+  if typ is float and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+    raise ConfigError(f"config.json: field {key!r} must be a finite number, got {v!r}")
+  if positive and not v > 0:
+    raise ConfigError(f"config.json: field {key!r} must be positive, got {v!r}")
   return v
 
 
@@ -192,7 +195,7 @@ def _tokens(hf, mask_default, eos_default):
 
 
 def _from_llada_moe(hf):
-  d, n = _get(hf, "hidden_size", typ=int), _get(hf, "num_attention_heads", typ=int)
+  d, n = _get(hf, "hidden_size", typ=int, positive=True), _get(hf, "num_attention_heads", typ=int, positive=True)
   if d % n:
     raise ConfigError(f"config.json: hidden_size={d} is not divisible by num_attention_heads={n}")
   prf = _get(hf, "partial_rotary_factor", 1.0, typ=float)
@@ -220,7 +223,7 @@ def _from_llada_moe(hf):
 
 
 def _from_llada_dense(hf):
-  d, n = _get(hf, "d_model", typ=int), _get(hf, "n_heads", typ=int)
+  d, n = _get(hf, "d_model", typ=int, positive=True), _get(hf, "n_heads", typ=int, positive=True)
   if d % n:
     raise ConfigError(f"config.json: d_model={d} is not divisible by n_heads={n}")
   if hf.get("block_type", "llama") != "llama":
@@ -279,7 +282,7 @@ def _check_llada2_keys(hf) -> None:
 
 def _from_llada2(hf):
   _check_llada2_keys(hf)
-  d, n = _get(hf, "hidden_size", typ=int), _get(hf, "num_attention_heads", typ=int)
+  d, n = _get(hf, "hidden_size", typ=int, positive=True), _get(hf, "num_attention_heads", typ=int, positive=True)
   hd = hf.get("head_dim") or d // n
   prf = float(_get(hf, "partial_rotary_factor", 1.0, typ=float))
   rot = int(hd * prf)

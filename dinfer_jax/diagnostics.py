@@ -3,7 +3,8 @@
   check_ids(model, gcfg, source)          --mask-id / --eos-id inside the vocabulary
   check_fits(model, prompts, gcfg)        the canvas of this call fits in device memory (before compiling)
   check_weights(model)                    NaN/inf weights are reported (they make every logit NaN, and the
-                                          answer silently empty or garbage), naming the tensors
+                                          answer silently empty or garbage), naming the tensors (load
+                                          refuses them already, unless allow_nonfinite)
   check_finite(model, prompts, gcfg, res) NaN/inf logits behind an empty answer are reported
 
 Each raises ValueError with a one-line message (the CLI prints it as `error: ...`, exit status 2).
@@ -20,6 +21,7 @@ import numpy as np
 from dinfer_jax import api
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.model import params as params_lib
 
 GIB = 2**30
 
@@ -102,31 +104,13 @@ def check_fits(model, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, 
 
 # Jitted so the test fuses into the reduction: no bool (or fp32) copy of a multi-GiB expert stack.
 # fp32 count: an int32 one could overflow on a leaf of more than 2**31 values (exact up to 2**24).
-_count_nonfinite = jax.jit(lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.float32))
-
-
-def nonfinite_weights(params) -> list[tuple[str, int]]:
-  """(dotted leaf path, number of NaN/inf values) of every param leaf that has any."""
-  out = []
-  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-    n = int(_count_nonfinite(x))
-    if n:
-      out.append((".".join(str(getattr(k, "key", k)) for k in path), n))
-  return out
-
-
-def _describe(bad: list[tuple[str, int]]) -> str:
-  names = ", ".join(f"{p} ({n} values)" for p, n in bad[:3])
-  return names + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-
-
 def check_weights(model) -> None:
-  """Refuses a model whose weights hold NaN/inf: its logits would be NaN and every answer meaningless."""
-  bad = nonfinite_weights(model.params)
+  """Refuses a model whose weights hold NaN/inf (one loaded with allow_nonfinite, or params made in
+  process): its logits would be NaN and every answer meaningless."""
+  bad = params_lib.nonfinite_weights(model.params)
   if bad:
     where = f" at {model.path}" if model.path else ""
-    raise ValueError(f"the model{where} has NaN/inf weights in {_describe(bad)}: its logits would be NaN; "
-                     "the checkpoint is broken")
+    raise ValueError(f"the model{where} {params_lib.describe_nonfinite(bad)}")
 
 
 def check_finite(model, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, result: Any) -> None:

@@ -232,3 +232,26 @@ def engine_layout(params: dict[str, Any], cfg: ModelConfig, mesh=None) -> dict[s
   if mesh is not None:
     out = jax.device_put(out, sharding.param_shardings(out, unstacked_logical_axes(cfg, out), mesh))
   return out
+
+
+_count_nonfinite = jax.jit(lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.float32))
+
+
+def nonfinite_weights(params) -> list[tuple[str, int]]:
+  """(dotted leaf path, number of NaN/inf values) of every floating param leaf that has any (8-bit leaves:
+  their values and scales)."""
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      continue
+    n = int(_count_nonfinite(x))
+    if n:
+      out.append((".".join(str(getattr(k, "key", k)) for k in path), n))
+  return out
+
+
+def describe_nonfinite(bad: list[tuple[str, int]]) -> str:
+  """The one-line refusal for nonfinite_weights' findings."""
+  names = ", ".join(f"{p} ({n} values)" for p, n in bad[:3])
+  more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+  return f"has NaN/inf weights in {names}{more}: its logits would be NaN; the checkpoint is broken"
