@@ -54,6 +54,10 @@ class _Knobs(BaseModel):
   n: int = Field(default=1, ge=1, le=128)
   stop: Union[str, list[str], None] = None
   stream: bool = False
+  # Log-probabilities are not served (a denoised token has no left-to-right probability to report): asking
+  # for them is a 400, not an answer without them.
+  logprobs: Union[bool, int, None] = None
+  top_logprobs: int | None = None
 
 
 class CompletionRequest(_Knobs):
@@ -179,6 +183,9 @@ class Service:
     stops = stop_list(req)
     if len(stops) > 4 or any(not s for s in stops):
       raise APIError(400, "stop: at most 4 non-empty stop sequences", param="stop")
+    for name in ("logprobs", "top_logprobs"):
+      if getattr(req, name) not in (None, False):
+        raise APIError(400, f"{name}: log-probabilities are not supported by this server", param=name)
     return g
 
   def encode_text(self, text: str) -> list[int]:

@@ -190,6 +190,7 @@ def test_64_concurrent_clients_get_their_single_request_answers(server, alone):
     (json.dumps({"model": "default", "prompt": "1+1", "seed": 2**70}).encode(), 400, "seed"),
     (b'{"model": "default", "prompt": "\\ud800 1+1"}', 400, "prompt"),  # a lone surrogate
     (b'[1, 2]', 400, None),
+    (b'{"model": "default", "prompt": "1+1", "logprobs": 2}', 400, "logprobs"),  # not served: not ignored
 ])
 def test_bad_input_is_a_4xx_with_an_openai_error(server, body, status, param):
   code, out = _raw(server, "/v1/completions", body)
