@@ -53,6 +53,11 @@ def register(subparsers, model_defaults=None) -> None:
   s.add_argument("--header-timeout-s", type=float, default=10.0,
                  help="close a connection whose request headers are not complete this long after they began "
                       "(default %(default)s)")
+  s.add_argument("--body-timeout-s", type=float, default=30.0,
+                 help="close a connection whose request body is not complete this long after its headers "
+                      "(default %(default)s)")
+  s.add_argument("--shutdown-timeout-s", type=float, default=30.0,
+                 help="on SIGTERM/SIGINT, close the connections still open after this long (default %(default)s)")
   s.add_argument("--keep-alive-s", type=float, default=5.0,
                  help="close a keep-alive connection idle this long after a response (default %(default)s)")
   s.add_argument("--max-body-mb", type=float, default=4.0, help="larger request bodies get 413 (default %(default)s)")
@@ -161,9 +166,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use the "
           f"model (requests must name one of these hosts: {', '.join(allowed_hosts(args) or ['any'])}; "
           "--allowed-hosts)", file=sys.stderr, flush=True)
-  if not (args.header_timeout_s > 0 and args.keep_alive_s > 0):
-    raise SystemExit(f"error: --header-timeout-s {args.header_timeout_s} and --keep-alive-s {args.keep_alive_s} "
-                     "must be > 0")
+  for flag in ("header_timeout_s", "keep_alive_s", "body_timeout_s", "shutdown_timeout_s"):
+    if not getattr(args, flag) > 0:
+      raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
   say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
   cache_dir = cli_common.use_compile_cache(args)  # before anything compiles
   app, batcher, scfg, specs = build(args)
@@ -182,7 +187,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
       f"(max batch {args.max_batch}, {batcher.kind} batching)")
   try:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                http=with_header_timeout(args.header_timeout_s), timeout_keep_alive=args.keep_alive_s)
+                http=with_header_timeout(args.header_timeout_s, args.body_timeout_s),
+                timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.shutdown_timeout_s)
   finally:
     batcher.stop()
   return 0

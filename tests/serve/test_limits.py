@@ -1,6 +1,7 @@
 """The server's limits in process (no engine call runs: the batcher's worker is never started): a full
 queue answers 429, a request past its timeout 504 (and is dropped from the queue), both OpenAI-style."""
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -87,10 +88,10 @@ def test_non_loopback_without_a_key_is_warned_about():
   assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("myhost")
 
 
-def test_half_sent_headers_are_cut_off_and_whole_requests_served():
-  """Connections whose request headers never complete (slowloris) are closed after the headers deadline,
-  also between requests of a keep-alive connection; complete requests are served."""
-  import asyncio
+@contextlib.contextmanager
+def _raw_server():
+  """A uvicorn server with the serve protocol's deadlines (headers 1 s, body 1 s) around an app that reads the
+  whole body and answers ok; yields its port."""
   import socket
   import threading
 
@@ -101,6 +102,9 @@ def test_half_sent_headers_are_cut_off_and_whole_requests_served():
   async def app(scope, receive, send):
     if scope["type"] != "http":
       return
+    more = True
+    while more:
+      more = (await receive()).get("more_body", False)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
 
@@ -108,7 +112,7 @@ def test_half_sent_headers_are_cut_off_and_whole_requests_served():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
-                                         http=with_header_timeout(1.0), timeout_keep_alive=30))
+                                         http=with_header_timeout(1.0, 1.0), timeout_keep_alive=30))
   t = threading.Thread(target=server.run, daemon=True)
   t.start()
   try:
@@ -116,6 +120,47 @@ def test_half_sent_headers_are_cut_off_and_whole_requests_served():
     while not server.started:
       assert time.monotonic() < deadline
       time.sleep(0.05)
+    yield port
+  finally:
+    server.should_exit = True
+    t.join(10)
+
+
+def test_a_body_sent_a_byte_at_a_time_is_cut_off():
+  """A request whose body does not arrive within the body deadline of its headers is closed (at a byte per
+  0.3 s a 100-byte body would take 30 s); a body that arrives is answered."""
+  import socket
+  with _raw_server() as port:
+    slow = socket.create_connection(("127.0.0.1", port))
+    slow.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+    t0, closed = time.monotonic(), False
+    while time.monotonic() - t0 < 8:
+      try:
+        slow.sendall(b"x")
+      except OSError:
+        closed = True
+        break
+      slow.settimeout(0.3)
+      try:
+        if slow.recv(4096) == b"":
+          closed = True
+          break
+      except socket.timeout:
+        pass
+    assert closed and time.monotonic() - t0 < 4
+    ok = socket.create_connection(("127.0.0.1", port))
+    ok.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc")
+    ok.settimeout(10)
+    assert ok.recv(4096).startswith(b"HTTP/1.1 200")
+    slow.close()
+    ok.close()
+
+
+def test_half_sent_headers_are_cut_off_and_whole_requests_served():
+  """Connections whose request headers never complete (slowloris) are closed after the headers deadline,
+  also between requests of a keep-alive connection; complete requests are served."""
+  import socket
+  with _raw_server() as port:
     slow = []
     for _ in range(20):
       c = socket.create_connection(("127.0.0.1", port))
@@ -139,9 +184,6 @@ def test_half_sent_headers_are_cut_off_and_whole_requests_served():
     assert ok.recv(4096).startswith(b"HTTP/1.1 200")
     for c in slow + [silent, keep, ok]:
       c.close()
-  finally:
-    server.should_exit = True
-    t.join(10)
 
 
 def test_metrics_labels_stay_bounded_and_parse(default_model, default_gcfg):
@@ -224,3 +266,22 @@ def test_serve_allows_the_bound_host_and_localhost_without_a_key():
   assert serve_cli.allowed_hosts(args("--api-key", "k")) is None
   assert serve_cli.allowed_hosts(args("--allowed-hosts", "*")) is None
   assert serve_cli.allowed_hosts(args("--allowed-hosts", "a.example, b.example")) == ("a.example", "b.example")
+
+
+def test_serve_runs_uvicorn_with_the_deadlines(monkeypatch):
+  """`serve` hands uvicorn the body deadline (in its protocol) and a graceful-shutdown limit, after which
+  connections still open are closed (a client that never finished its body held up SIGTERM for ever)."""
+  import argparse
+
+  import uvicorn
+
+  from dinfer_jax.serve import cli as serve_cli
+  seen = {}
+  monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+  p = argparse.ArgumentParser()
+  serve_cli.register(p.add_subparsers())
+  args = p.parse_args(["serve", "--warmup-max-prompt-len", "0", "--shutdown-timeout-s", "7", "--body-timeout-s", "3"])
+  assert serve_cli.cmd_serve(args) == 0
+  assert seen["timeout_graceful_shutdown"] == 7 and seen["http"].__name__ == "HeaderDeadlineProtocol"
+  with pytest.raises(SystemExit, match="--body-timeout-s 0.0: must be > 0"):
+    serve_cli.cmd_serve(p.parse_args(["serve", "--body-timeout-s", "0"]))
