@@ -226,6 +226,7 @@ def _add_export(sub):
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   p.add_argument("--generation-config", default=None,
                  help="JSON object of GenerationConfig defaults to write (default: train_td.export's)")
+  p.add_argument("--allow-nonfinite", action="store_true", help="export weights holding NaN/inf (refused otherwise)")
   p.set_defaults(func=cmd_export)
 
 
@@ -237,7 +238,7 @@ def cmd_export(args) -> int:
   if gen is not None and not isinstance(gen, dict):
     raise ValueError("--generation-config: expected a JSON object")
   out = export.export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype, generation_config=gen,
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite)
   print(json.dumps(out))
   return 0
 

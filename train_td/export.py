@@ -21,6 +21,7 @@ import numpy as np
 from dinfer_jax import api, checkpoint
 from dinfer_jax.checkpoint import outdir
 from dinfer_jax.config import ModelConfig
+from dinfer_jax.model import params as params_lib
 from dinfer_jax.tasks import get_task
 from train_td import tokenizer as tok_lib, trainer
 
@@ -87,7 +88,7 @@ def check_out(out: os.PathLike, *, overwrite: bool = False) -> bool:
 
 def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "float32",
                   generation_config: Mapping[str, Any] | None = None, overwrite: bool = False,
-                  like: str | os.PathLike | None = None) -> dict[str, Any]:
+                  like: str | os.PathLike | None = None, allow_nonfinite: bool = False) -> dict[str, Any]:
   """Writes params + config + tokenizer + generation_config.json to `out`.
 
   like: a model directory (or "default") whose format to write: its config.json (torch_dtype set to
@@ -96,7 +97,12 @@ def export_params(params, cfg: ModelConfig, out: os.PathLike, *, dtype: str = "f
   DEFAULT_GENERATION unless given).
 
   An existing `out` is replaced only as check_out allows: `--out .` never empties the working directory.
+  Weights holding NaN/inf are refused (allow_nonfinite: written anyway).
   """
+  bad = [] if allow_nonfinite else params_lib.nonfinite_weights(params)
+  if bad:
+    raise ValueError(f"export: the checkpoint {params_lib.describe_nonfinite(bad)} (--allow-nonfinite to "
+                     "export it anyway)")
   np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
   if like is not None:
     like_cfg, hf = api.load_config(like)
@@ -142,7 +148,8 @@ def run_generation_config(tc) -> dict[str, Any]:
 
 
 def export_run(run_dir: os.PathLike, out: os.PathLike, *, step: int | None = None, dtype: str = "float32",
-               generation_config: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
+               generation_config: Mapping[str, Any] | None = None, overwrite: bool = False,
+               allow_nonfinite: bool = False) -> dict[str, Any]:
   """Exports a run's checkpoint (latest unless `step`) to `out` (see export_params for `overwrite`); a run
   with arch_from (a TD run) in its model's format, with its tokenizer and generation defaults."""
   tc = trainer.load_train_config(run_dir)
@@ -150,6 +157,6 @@ def export_run(run_dir: os.PathLike, out: os.PathLike, *, step: int | None = Non
     generation_config = run_generation_config(tc)
   params, _, s = trainer.restore(run_dir, tc, step)
   res = export_params(params, tc.model_config(), out, dtype=dtype, generation_config=generation_config,
-                      overwrite=overwrite, like=tc.arch_from or None)
+                      overwrite=overwrite, like=tc.arch_from or None, allow_nonfinite=allow_nonfinite)
   res["step"] = s
   return res

@@ -56,8 +56,36 @@ def shard_paths(data: str | os.PathLike | Sequence[str | os.PathLike]) -> list[p
   return out
 
 
-def read_records(data) -> dict[str, list]:
-  """All records of the shards as columns (lists), in shard order."""
+def check_shard(p: os.PathLike, cols: dict[str, list], vocab_size: int | None = None) -> None:
+  """Raises ValueError naming the shard, the record and what is wrong when a record cannot be a trajectory:
+  a missing value, token ids outside the vocabulary, a generated region and its commit steps of different
+  lengths, n_steps < 1, or a commit step that is neither -1 (early-stop fill) nor in [1, n_steps]. A shard
+  that passes cannot put an out-of-range id into an embedding lookup (a NaN model, silently)."""
+  n = len(cols["task"])
+  for c in COLUMNS:
+    bad = next((i for i, v in enumerate(cols[c]) if v is None), None)
+    if bad is not None:
+      raise ValueError(f"{p}: record {bad}: column {c!r} is null")
+  for i in range(n):
+    where = f"{p}: record {i} (index {cols['index'][i]})"
+    ids, toks, commit, steps = cols["prompt_ids"][i], cols["tokens"][i], cols["commit_step"][i], cols["n_steps"][i]
+    if vocab_size is not None:
+      for name, seq in (("prompt_ids", ids), ("tokens", toks)):
+        out = next((t for t in seq if not 0 <= t < vocab_size), None)
+        if out is not None:
+          raise ValueError(f"{where}: {name} holds token id {out}, outside the vocabulary [0, {vocab_size})")
+    if len(commit) != len(toks):
+      raise ValueError(f"{where}: {len(toks)} tokens but {len(commit)} commit steps")
+    if not (isinstance(steps, int) and steps >= 1):
+      raise ValueError(f"{where}: n_steps={steps!r} must be an int >= 1")
+    bad = next((c for c in commit if c != -1 and not 1 <= c <= steps), None)
+    if bad is not None:
+      raise ValueError(f"{where}: commit step {bad} is neither -1 nor in [1, n_steps={steps}]")
+
+
+def read_records(data, vocab_size: int | None = None) -> dict[str, list]:
+  """All records of the shards as columns (lists), in shard order; each shard checked (check_shard, token
+  ids against vocab_size when given) as it is read."""
   import pyarrow.parquet as pq
   cols: dict[str, list] = {c: [] for c in COLUMNS}
   for p in shard_paths(data):
@@ -65,8 +93,10 @@ def read_records(data) -> dict[str, list]:
     missing = set(COLUMNS) - set(t.column_names)
     if missing:
       raise ValueError(f"{p}: not a trajectory shard (missing columns {sorted(missing)})")
+    shard = {c: t.column(c).to_pylist() for c in COLUMNS}
+    check_shard(p, shard, vocab_size)
     for c in COLUMNS:
-      cols[c] += t.column(c).to_pylist()
+      cols[c] += shard[c]
   return cols
 
 
@@ -129,8 +159,8 @@ class TDData:
         raise ValueError(f"task weights must be >= 0 with one > 0, got {named}")
 
   @classmethod
-  def load(cls, data, batch_size: int, seed: int = 0, task_weights=()) -> "TDData":
-    rec = read_records(data)
+  def load(cls, data, batch_size: int, seed: int = 0, task_weights=(), vocab_size: int | None = None) -> "TDData":
+    rec = read_records(data, vocab_size)
     rows = {}
     for task in sorted(set(rec["task"])):
       idx = [i for i, t in enumerate(rec["task"]) if t == task]

@@ -71,7 +71,8 @@ def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, pr
   base = dinfer_jax.load(tdc.base)
   tc = trainer.TrainConfig(**train_overrides, arch_from=tdc.base)
   # Bad data or weights fail before anything is written.
-  data = td_data.TDData.load(tdc.data, tc.batch_size, tc.seed, task_weights=tdc.task_weights)
+  data = td_data.TDData.load(tdc.data, tc.batch_size, tc.seed, task_weights=tdc.task_weights,
+                             vocab_size=base.config.vocab_size)
   for task, rows in data.rows.items():
     if rows.tokens.shape[1] > base.config.max_position:
       raise ValueError(f"trajectories of {task} need {rows.tokens.shape[1]} positions, more than the base "

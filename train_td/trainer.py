@@ -377,6 +377,25 @@ def check_own_dir(path: pathlib.Path, markers: tuple[str, ...], what: str) -> No
                           "empty directory")
 
 
+@jax.jit
+def _first_nonfinite(first: jax.Array, loss: jax.Array, grad_norm: jax.Array, step: int) -> jax.Array:
+  bad = ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))
+  return jnp.where((first < 0) & bad, jnp.int32(step), first)
+
+
+class NonFiniteError(FloatingPointError):
+  """A step's loss or gradient norm was NaN/inf: the run stopped before saving it."""
+
+
+def _stop_if_nonfinite(first_bad: int, mngr) -> None:
+  # Checked where the loop syncs anyway (a log line or a checkpoint), not every step: the steps after a bad
+  # one are not saved either.
+  if first_bad >= 0:
+    raise NonFiniteError(f"step {first_bad}: the loss or the gradient norm is NaN/inf; stopped without saving "
+                         f"(the last checkpoint, step {mngr.latest_step()}, is kept). Check the data "
+                         "(train_td.td_data.check_shard) and the learning rate")
+
+
 def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
           loss_fn: objective.LossFn | None = None,
           get_batch: Callable[[int], tuple[str, dict]] | None = None,
@@ -452,6 +471,7 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   last: dict[str, Any] = {}
   bar = tqdm(total=end, initial=start, disable=not progress, dynamic_ncols=True, mininterval=2.0)
   window_tokens, window_t = 0, time.time()
+  first_bad = jnp.int32(-1)  # on the device: the first step whose loss or gradient norm was not finite
   try:
     with open(run_dir / METRICS, "a") as mf:
       for s in range(start, end):
@@ -459,6 +479,9 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
         window_tokens += data_lib.n_tokens(batch)
         params, opt_state, metrics = step_fn(params, opt_state, batch, jax.random.fold_in(base_key, s))
         done = s + 1
+        first_bad = _first_nonfinite(first_bad, metrics["loss"], metrics.get("grad_norm", metrics["loss"]), done)
+        if done % tc.log_every == 0 or done % tc.ckpt_every == 0 or done == end:
+          _stop_if_nonfinite(int(first_bad), mngr)  # before the step is logged or saved
         if done % tc.log_every == 0 or done == end:
           m = {k: float(sharding.to_host(v)) for k, v in metrics.items()}
           now = time.time()

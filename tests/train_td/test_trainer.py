@@ -392,3 +392,58 @@ def test_eval_refuses_bad_generation_knobs_in_one_line(capsys):
   rc, err = _cli(["eval", "--task", "arithmetic", "--n", 2, "--mask-id", 1000], capsys)
   assert rc == 2 and err.strip().splitlines()[-1] == (
       "error: --mask-id: mask_id=1000 is outside the model's vocabulary [0, 128)"), err
+
+
+def test_a_nonfinite_step_stops_the_run_without_saving_and_export_refuses_nan(tmp_path):
+  """Batches from step 3 on hold token ids outside the vocabulary (what a bad shard fed before shards were
+  checked): the loss turns NaN, the run stops at step 3 without saving it, the step-2 checkpoint is kept and
+  finite. export refuses a checkpoint with NaN weights unless allow_nonfinite."""
+  tc = tiny_config(steps=4)
+  good = lambda s: data_lib.get_batch(tc.data_config(), s)  # noqa: E731
+
+  def poisoned(s):
+    tag, b = good(s)
+    if s >= 2:
+      b = dict(b, tokens=np.where(b["valid"], 10**6, b["tokens"]).astype(b["tokens"].dtype))
+    return tag, b
+  run = tmp_path / "run"
+  with pytest.raises(trainer.NonFiniteError, match=r"step 3: the loss or the gradient norm is NaN/inf.*step 2, is kept"):
+    trainer.train(tc, run, progress=False, get_batch=poisoned)
+  params, _, step = trainer.restore(run, tc, None)
+  assert step == 2 and not params_lib.nonfinite_weights(params)
+  bad = jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), params)
+  with pytest.raises(ValueError, match="NaN/inf weights in .*--allow-nonfinite"):
+    export_lib.export_params(bad, tc.model_config(), tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+
+
+def _write_shard(path, **over):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  from train_td import td_data
+  rec = dict(index=[0, 1], task=["arithmetic"] * 2, prompt=["1+1", "2+2"], prompt_ids=[[5, 6, 7], [5, 8, 7]],
+             tokens=[[9, 10, 11], [12, 13, 14]], commit_step=[[1, 2, -1], [1, 1, 2]], n_steps=[2, 2],
+             answer=["2", "4"])
+  rec.update(over)
+  path.mkdir(parents=True, exist_ok=True)
+  pq.write_table(pa.table({c: rec[c] for c in td_data.COLUMNS}), path / "part-00000.parquet")
+  return path
+
+
+@pytest.mark.parametrize("over,why", [
+    (dict(tokens=[[9, -5, 11], [12, 13, 14]]), r"record 0 \(index 0\): tokens holds token id -5, outside the vocabulary \[0, 64\)"),
+    (dict(prompt_ids=[[5, 6, 7], [5, 10**6, 7]]), r"record 1 \(index 1\): prompt_ids holds token id 1000000"),
+    (dict(commit_step=[[1, 3, -1], [1, 1, 2]]), r"record 0 \(index 0\): commit step 3 is neither -1 nor in \[1, n_steps=2\]"),
+    (dict(commit_step=[[1, 2], [1, 1, 2]]), r"record 0 \(index 0\): 3 tokens but 2 commit steps"),
+    (dict(n_steps=[0, 2]), r"record 0 \(index 0\): n_steps=0 must be an int >= 1"),
+    (dict(n_steps=[None, 2]), r"record 0: column 'n_steps' is null")])
+def test_shards_are_checked_as_they_are_read(tmp_path, over, why):
+  """A trajectory shard that cannot be one is refused naming the file, the record and the value, before any
+  step (token ids against the base model's vocabulary)."""
+  from train_td import td_data
+  good = _write_shard(tmp_path / "good")
+  assert td_data.read_records(good, vocab_size=64)["n_steps"] == [2, 2]
+  bad = _write_shard(tmp_path / "bad", **over)
+  with pytest.raises(ValueError, match=r"part-00000\.parquet: " + why):
+    td_data.read_records(bad, vocab_size=64)
