@@ -107,6 +107,8 @@ def _add_train(sub):
   td.add_argument("--cf-weight", type=float, default=0.0, help="weight of the certainty-forcing entropy term")
   td.add_argument("--task-weights", default="", metavar="TASK=W,...", help="how often each task's trajectories "
                   "make a batch (default: in proportion to their number)")
+  td.add_argument("--allow-data-change", action="store_true",
+                  help="resume a TD run on shards whose contents differ from those it began with")
   add_parallel_flags(p)
   p.set_defaults(func=cmd_train)
 
@@ -154,7 +156,8 @@ def cmd_train_td(args, kw, mesh=None) -> int:
   for f in td_train.ARCH_FIELDS:
     kw.pop(f, None)  # the base model's
   out = td_train.train(tdc, args.run_dir, resume=True if args.resume else None,
-                       progress=not args.no_progress and jax.process_index() == 0, mesh=mesh, **kw)
+                       progress=not args.no_progress and jax.process_index() == 0, mesh=mesh,
+                       allow_data_change=args.allow_data_change, **kw)
   if jax.process_index() != 0:
     return 0
   print(json.dumps({"step": out["step"], "seconds": round(out["seconds"], 1), **out["last_metrics"]}))

@@ -91,7 +91,9 @@ def _write_shard(path: pathlib.Path, records: dict[str, list], meta: dict[str, A
   ints = pa.list_(pa.int32())  # token ids: a 157k vocabulary (LLaDA-MoE) does not fit int16
   schema = pa.schema([("index", pa.int64()), ("task", pa.string()), ("prompt", pa.string()),
                       ("prompt_ids", ints), ("tokens", ints), ("commit_step", ints), ("n_steps", pa.int32()),
-                      ("answer", pa.string())], metadata={"collect": json.dumps(meta, sort_keys=True)})
+                      ("answer", pa.string())],
+                     metadata={"collect": json.dumps(meta, sort_keys=True),
+                               td_data.DIGEST_KEY: td_data.content_digest(records)})
   table = pa.Table.from_pydict({c: records[c] for c in td_data.COLUMNS}, schema=schema)
   tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
   pq.write_table(table, tmp)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
+import json
 import os
 import pathlib
 from typing import Sequence
@@ -25,6 +27,17 @@ from train_td import tokenizer as tok_lib
 
 SHARD_GLOB = "part-*.parquet"
 COLUMNS = ("index", "task", "prompt", "prompt_ids", "tokens", "commit_step", "n_steps", "answer")
+# A shard's schema metadata key holding content_digest of its records (train_td.collect writes it).
+DIGEST_KEY = "dinfer_td_sha256"
+
+
+def content_digest(cols: dict[str, list]) -> str:
+  """SHA-256 of a shard's records (its COLUMNS as read back, in order): what a flipped bit in a data page
+  changes, where Parquet itself read back 303 of 967 such flips without a word."""
+  h = hashlib.sha256()
+  for c in COLUMNS:
+    h.update(json.dumps(cols[c], separators=(",", ":")).encode())
+  return h.hexdigest()
 
 
 def reveal_steps(commit_step: Sequence[int], n_steps: int) -> np.ndarray:
@@ -83,9 +96,11 @@ def check_shard(p: os.PathLike, cols: dict[str, list], vocab_size: int | None = 
       raise ValueError(f"{where}: commit step {bad} is neither -1 nor in [1, n_steps={steps}]")
 
 
-def read_records(data, vocab_size: int | None = None) -> dict[str, list]:
-  """All records of the shards as columns (lists), in shard order; each shard checked (check_shard, token
-  ids against vocab_size when given) as it is read."""
+def read_records(data, vocab_size: int | None = None, digests: list[str] | None = None) -> dict[str, list]:
+  """All records of the shards as columns (lists), in shard order; each shard checked as it is read: its
+  content against the digest it was written with (shards written before digests have none), its records by
+  check_shard (token ids against vocab_size when given). `digests`, when given, gets each shard's content
+  digest (data_fingerprint)."""
   import pyarrow.parquet as pq
   cols: dict[str, list] = {c: [] for c in COLUMNS}
   for p in shard_paths(data):
@@ -94,10 +109,22 @@ def read_records(data, vocab_size: int | None = None) -> dict[str, list]:
     if missing:
       raise ValueError(f"{p}: not a trajectory shard (missing columns {sorted(missing)})")
     shard = {c: t.column(c).to_pylist() for c in COLUMNS}
+    digest = content_digest(shard)
+    stored = (t.schema.metadata or {}).get(DIGEST_KEY.encode())
+    if stored is not None and stored.decode() != digest:
+      raise ValueError(f"{p}: its records changed since it was written (content digest {digest[:12]}..., "
+                       f"written {stored.decode()[:12]}...): the file is damaged")
     check_shard(p, shard, vocab_size)
+    if digests is not None:
+      digests.append(digest)
     for c in COLUMNS:
       cols[c] += shard[c]
   return cols
+
+
+def data_fingerprint(digests: Sequence[str]) -> str:
+  """One digest of a run's data: its shards' content digests in shard order."""
+  return hashlib.sha256("\n".join(digests).encode()).hexdigest()
 
 
 @dataclasses.dataclass
@@ -158,15 +185,19 @@ class TDData:
       if any(w < 0 for w in named.values()) or not any(w > 0 for w in named.values()):
         raise ValueError(f"task weights must be >= 0 with one > 0, got {named}")
 
+  fingerprint: str = ""  # data_fingerprint of the shards loaded
+
   @classmethod
   def load(cls, data, batch_size: int, seed: int = 0, task_weights=(), vocab_size: int | None = None) -> "TDData":
-    rec = read_records(data, vocab_size)
+    digests: list[str] = []
+    rec = read_records(data, vocab_size, digests)
     rows = {}
     for task in sorted(set(rec["task"])):
       idx = [i for i, t in enumerate(rec["task"]) if t == task]
       rows[task] = layout([rec["prompt_ids"][i] for i in idx], [rec["tokens"][i] for i in idx],
                           [rec["commit_step"][i] for i in idx], [rec["n_steps"][i] for i in idx])
-    return cls(rows, batch_size, seed, tuple((str(n), float(w)) for n, w in task_weights))
+    return cls(rows, batch_size, seed, tuple((str(n), float(w)) for n, w in task_weights),
+               data_fingerprint(digests))
 
   def get_batch(self, step: int) -> tuple[str, dict[str, np.ndarray]]:
     names = sorted(self.rows)

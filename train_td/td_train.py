@@ -49,25 +49,32 @@ class TDConfig:
         raise ValueError(f"TDConfig.task_weights: expected (task, weight >= 0) pairs, got {item!r}")
 
 
-def _check_td_config(run_dir: pathlib.Path, tdc: TDConfig) -> None:
+def _check_td_config(run_dir: pathlib.Path, tdc: TDConfig, fingerprint: str, allow_data_change: bool) -> None:
+  """A new run records its TD settings and its data's fingerprint (td_data.data_fingerprint: the shards'
+  contents, not their path); a resumed one must match both (other data: allow_data_change)."""
   f = run_dir / TD_CONFIG
   want = json.loads(json.dumps(dataclasses.asdict(tdc)))  # tuples as JSON gives them back
   if f.exists():
     saved = json.loads(f.read_text())
     saved.setdefault("task_weights", [])  # runs from before the field drew tasks by trajectories
+    had = saved.pop("data_fingerprint", None)  # runs from before fingerprints have none
     if saved != want:
       raise ValueError(f"{f} differs from this run's TD settings ({saved}); use a new run directory")
+    if had is not None and had != fingerprint and not allow_data_change:
+      raise ValueError(f"{f}: the trajectory data changed since this run began (fingerprint {fingerprint[:12]}..., "
+                       f"recorded {had[:12]}...); resume with --allow-data-change to train on it anyway")
   else:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = f.with_name(f".{TD_CONFIG}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(dataclasses.asdict(tdc), indent=2) + "\n")
+    tmp.write_text(json.dumps(dict(dataclasses.asdict(tdc), data_fingerprint=fingerprint), indent=2) + "\n")
     os.replace(tmp, f)
 
 
 def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, progress: bool = True,
-          stop_at: int | None = None, mesh=None, **train_overrides) -> dict[str, Any]:
+          stop_at: int | None = None, mesh=None, allow_data_change: bool = False, **train_overrides) -> dict[str, Any]:
   """Runs (or resumes) a TD run; `train_overrides` are TrainConfig fields (steps, lr, batch_size, ...);
-  `mesh`: the sharded step of trainer.train (data parallel + the model's tensor/expert sharding)."""
+  `mesh`: the sharded step of trainer.train (data parallel + the model's tensor/expert sharding);
+  allow_data_change: resume on data other than the run began with."""
   base = dinfer_jax.load(tdc.base)
   tc = trainer.TrainConfig(**train_overrides, arch_from=tdc.base)
   # Bad data or weights fail before anything is written.
@@ -79,7 +86,7 @@ def train(tdc: TDConfig, run_dir: os.PathLike, *, resume: bool | None = None, pr
                        f"model's max_position={base.config.max_position}")
   run_dir = pathlib.Path(run_dir)
   trainer.check_own_dir(run_dir, trainer.RUN_MARKERS, "train_td run directory")
-  _check_td_config(run_dir, tdc)
+  _check_td_config(run_dir, tdc, data.fingerprint, allow_data_change)
   loss_fn = objective.make_td_loss_fn(tc.model_config(), mdm_weight=tdc.mdm_weight, cf_weight=tdc.cf_weight,
                                       eps=tc.eps_t, moe_impl=tc.moe_impl, remat=tc.remat,
                                       compute_dtype=tc.compute_dtype)

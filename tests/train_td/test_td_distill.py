@@ -331,6 +331,32 @@ def test_task_weights_set_how_often_each_task_makes_a_batch(td_data_dir, tiny_mo
                    progress=False, stop_at=0, **{**KW, "steps": 1})
 
 
+def test_changed_or_damaged_data_is_refused(td_data_dir, tiny_model_dir, tmp_path):
+  """Shards carry their records' digest: a shard whose records changed after it was written is refused by
+  name. A run records its data's fingerprint (contents, not path): resuming on other data is refused unless
+  allow_data_change."""
+  import pyarrow.parquet as pq
+  data = tmp_path / "data"
+  shutil.copytree(td_data_dir, data)
+  tdc = td_train.TDConfig(data=str(data), base=str(tiny_model_dir))
+  td_train.train(tdc, tmp_path / "r", progress=False, stop_at=0, **{**KW, "steps": 1})
+  assert json.loads((tmp_path / "r" / td_train.TD_CONFIG).read_text())["data_fingerprint"]
+  shard = sorted(data.glob(td_data.SHARD_GLOB))[0]
+  t = pq.read_table(shard)
+  answers = t.column("answer").to_pylist()
+  answers[0] = answers[0] + "x"  # a changed record, its stored digest kept (what a flipped bit does)
+  pq.write_table(t.set_column(t.column_names.index("answer"), "answer", [answers]), shard)
+  with pytest.raises(ValueError, match=f"{shard.name}: its records changed since it was written"):
+    td_data.read_records(str(data))
+  # Rewritten whole (a new digest): the run's recorded fingerprint no longer matches.
+  from train_td import collect as collect_mod
+  cols = {c: pq.read_table(shard).column(c).to_pylist() for c in td_data.COLUMNS}
+  collect_mod._write_shard(shard, cols, {"batch": 0, "attempted": 1, "kept": 1})
+  with pytest.raises(ValueError, match="trajectory data changed since this run began.*--allow-data-change"):
+    td_train.train(tdc, tmp_path / "r", progress=False, stop_at=0, **{**KW, "steps": 1})
+  td_train.train(tdc, tmp_path / "r", progress=False, stop_at=0, allow_data_change=True, **{**KW, "steps": 1})
+
+
 @pytest.mark.slow  # over 20 s on 2 cores: -m slow
 def test_td_run_killed_and_resumed_ends_byte_identical(td_data_dir, tiny_model_dir, tmp_path):
   tdc = td_train.TDConfig(data=str(td_data_dir), base=str(tiny_model_dir), mdm_weight=0.5, cf_weight=0.5)
