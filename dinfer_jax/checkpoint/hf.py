@@ -67,6 +67,7 @@ class HFCheckpoint:
     keys = [k for k in keys if not k.endswith(SCALE_SUFFIX)]
     self.quantization = self._fp8_config() if self.scales else None
     self.layout = keymap.detect_layout(self.cfg.family, keys)
+    keymap.check_counts(self.cfg, self.layout, keys, str(self.dir))
     self.entries = keymap.plan(self.cfg, self.layout)
     self._validate(keys)
     self.by_leaf = keymap.group_by_leaf(self.entries)

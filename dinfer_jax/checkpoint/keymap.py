@@ -430,6 +430,27 @@ def explain_unmapped(cfg: ModelConfig, layout: str, key: str) -> str:
   return "no rule maps it"
 
 
+def check_counts(cfg: ModelConfig, layout: str, keys: Sequence[str], where: str) -> None:
+  """The config's layer and (per-expert layout) expert counts against the indices the weight keys hold, when
+  its plan (about n_layers x n_experts entries) would be far larger than the keys: a config.json claiming
+  10^9 layers took 3 GB and a minute before any error. A smaller mismatch is left to the plan, whose error
+  names the first missing tensor."""
+  per_layer = 3 * cfg.n_experts + 16 if layout == "per_expert" else 16
+  if cfg.n_layers * per_layer <= 10 * len(keys) + 10_000:
+    return
+  layers, experts = -1, -1
+  for k in keys:
+    m = match(cfg.family, k)
+    if m is not None:
+      layers = max(layers, m[1] if m[1] is not None else -1)
+      experts = max(experts, m[2] if m[2] is not None else -1)
+  if cfg.n_layers > layers + 1:
+    raise CheckpointError(f"{where}: config.json has {cfg.n_layers} layers but the weights hold "
+                          f"{layers + 1} (layers 0..{layers})")
+  if layout == "per_expert" and cfg.n_moe_layers and cfg.n_experts > experts + 1:
+    raise CheckpointError(f"{where}: config.json has {cfg.n_experts} experts but the weights hold {experts + 1}")
+
+
 def detect_layout(family: str, keys: Sequence[str]) -> str:
   """'fused' if the experts come as stacked mlp.w1/w2, else 'per_expert'; mixing both is an error."""
   fused = next((k for k in keys if k.endswith(".mlp.w1") or k.endswith(".mlp.w2")), None)

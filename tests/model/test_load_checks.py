@@ -60,3 +60,16 @@ def test_tokenizer_files_must_be_regular(tmp_path):
   (d / "tokenizer.json").symlink_to("/dev/zero")
   with pytest.raises(CheckpointError, match="tokenizer.json: not a regular file"):
     dinfer_jax.load(d)
+
+
+@pytest.mark.parametrize("key,value,why", [("num_hidden_layers", 10**9, "1000000000 layers but the weights hold 2"),
+                                           ("num_experts", 10**9, "1000000000 experts but the weights hold 8")])
+def test_sizes_the_weights_do_not_hold_are_refused_before_anything_is_built(tmp_path, key, value, why):
+  """A config claiming far more layers or experts than the weight files hold is refused at once (it took 3 GB
+  and over a minute before any error)."""
+  d = _copy(tmp_path)
+  hf = json.loads((d / "config.json").read_text())
+  hf[key] = value
+  (d / "config.json").write_text(json.dumps(hf))
+  with pytest.raises(CheckpointError, match=why):
+    dinfer_jax.load(d)
