@@ -102,8 +102,6 @@ def check_fits(model, prompts: Sequence[Sequence[int]], gcfg: GenerationConfig, 
                    f"{jax.devices()[0].platform}; {hint}")
 
 
-# Jitted so the test fuses into the reduction: no bool (or fp32) copy of a multi-GiB expert stack.
-# fp32 count: an int32 one could overflow on a leaf of more than 2**31 values (exact up to 2**24).
 def check_weights(model) -> None:
   """Refuses a model whose weights hold NaN/inf (one loaded with allow_nonfinite, or params made in
   process): its logits would be NaN and every answer meaningless."""

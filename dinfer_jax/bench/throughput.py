@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from dinfer_jax.bench.metrics import CallRecord, predicted_forward_time, summarize
 from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.engine import generate as gen_lib
+from dinfer_jax.engine import cache_policy, generate as gen_lib
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.generate import count_generated
 from dinfer_jax.engine.stepped import JitRunner, stepped_generate
@@ -142,8 +142,6 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, prog, *, ta
   valid = jnp.asarray(lay.valid)
   pos = jnp.asarray(lay.positions)
   smoothing = gcfg.smoothing
-  col = jnp.arange(Tc)
-  blk_of = col // L
   progs: dict[str, tuple[Callable[..., Any], tuple]] = {}
   dt = abstract_dtype if abstract_dtype is not None else table.dtype
 
@@ -194,13 +192,12 @@ def forward_programs(mcfg: ModelConfig, gcfg: GenerationConfig, lay, prog, *, ta
     # The cross-block update (dInfer v0.2): the block entry's forward over the previous block and this one, each
     # query seeing the blocks up to its own, both blocks' K/V returned; the current block's logits.
     c0 = C
-    qcol = c0 + jnp.arange(2 * L)
-    cross_mask = valid[:, None, :] & (col[None, None, :] < ((qcol // L + 1) * L)[None, :, None])
+    cross_mask = cache_policy.block_causal_mask(valid, c0 + jnp.arange(2 * L), L)
     progs["cross"] = (cached_fwd, (inputs(canvas[:, c0:c0 + 2 * L]), cache, pos[:, c0:c0 + 2 * L], cross_mask,
                                    jnp.ones((Bsz, 2 * L), bool), jnp.int32(c0), jnp.int32(L)))
   if mode == "block_diffusion":
     P = grid.prefill_len
-    bc = (blk_of[None, :P, None] >= blk_of[None, None, :P]) & valid[:, None, :P]
+    bc = cache_policy.block_causal_mask(valid[:, :P], jnp.arange(P), L)
     progs["prefill"] = (lambda p, inp, ps, m: forward(p, mcfg, positions=ps, mask=m, **inp).kv,
                         ({"tokens": canvas[:, :P]}, pos[:, :P], bc))
   return progs

@@ -52,7 +52,7 @@ class HFCheckpoint:
   def __init__(self, path: os.PathLike, cfg: ModelConfig | None = None, *, nonfinite: str = "error"):
     self.dir = pathlib.Path(path)
     # A NaN or Inf weight makes every forward that touches it NaN. "error" / "warn" while converting;
-    # "ignore" when loading for generation, whose diagnostics check the loaded params (naming the model).
+    # "ignore" when loading, which checks the loaded params (dinfer_jax.load, allow_nonfinite).
     if nonfinite not in ("error", "warn", "ignore"):
       raise ValueError(f"nonfinite must be 'error', 'warn' or 'ignore', got {nonfinite!r}")
     self.nonfinite = nonfinite
@@ -271,7 +271,7 @@ def load_hf_params(path: os.PathLike, cfg: ModelConfig | None = None, dtype="bfl
   Returns:
     The tree of abstract_params(cfg, dtype): numpy arrays, or jax arrays when shardings are given.
   """
-  ck = HFCheckpoint(path, cfg, nonfinite="ignore")  # generation's diagnostics report them
+  ck = HFCheckpoint(path, cfg, nonfinite="ignore")  # dinfer_jax.load refuses them, naming the leaves
   dtype = norm_dtype(dtype)
   abstract = abstract_params(ck.cfg, dtype)
   if shardings is not None and isinstance(shardings, jax.sharding.Sharding):

@@ -37,6 +37,15 @@ def rows_col(x: jax.Array) -> jax.Array:
   return jnp.reshape(x, (-1, 1))
 
 
+def block_causal_mask(valid: jax.Array, qcol: jax.Array, block_len: int) -> jax.Array:
+  """LLaDA2's block-causal mask [B, T, S]: the query at canvas column qcol ([T], or [B, T] per row) sees the
+  valid ([B, S]) keys of its own block and the blocks before it. Canvas blocks are position blocks (block
+  diffusion keeps pads whole blocks)."""
+  qblk = jnp.asarray(qcol) // block_len
+  kblk = jnp.arange(valid.shape[1]) // block_len
+  return valid[:, None, :] & (kblk[None, None, :] <= jnp.reshape(qblk, (-1,) + qblk.shape[-1:])[:, :, None])
+
+
 # The forward a row takes in an iteration (its phase).
 FULL = 1  # full canvas forward, no cache read or write (no cache, vicinity warm-up)
 REFRESH = 2  # full canvas forward whose K/V replace the row's cache (block entry)
@@ -196,8 +205,7 @@ class NoCache(CachePolicy):
   def full_mask(self, valid: jax.Array, block_len: int) -> jax.Array:
     if not self.block_causal:
       return valid
-    blk_of = jnp.arange(valid.shape[1]) // block_len  # block diffusion keeps pads whole blocks: position blocks
-    return (blk_of[None, :, None] >= blk_of[None, None, :]) & valid[:, None, :]
+    return block_causal_mask(valid, jnp.arange(valid.shape[1]), block_len)
 
   def run_steps(self, steps: Any, carry: Any) -> Any:
     return steps.loop(carry, (True, None))
@@ -289,8 +297,7 @@ class BlockDiffusionCache(CachePolicy):
     """The prompt's blocks under the block-causal mask (dInfer's BlockDiffusionRunner.prefill): one forward,
     its K/V into the cache of every row (or of `rows` [B], the rest keep theirs)."""
     P, L = tr.grid.prefill_len, tr.grid.block_len
-    blk_of = jnp.arange(P) // L
-    bc = (blk_of[None, :, None] >= blk_of[None, None, :]) & tr.valid[:, None, :P]
+    bc = block_causal_mask(tr.valid[:, :P], jnp.arange(P), L)
     out = tr.forward(st.canvas[:, :P], positions=tr.positions[:, :P], mask=bc, kv_layers=True)
     if rows is None:
       cache = jax.tree_util.tree_map(lambda c, n: c.at[:, :P].set(n.astype(c.dtype)), st.cache, out.kv)
@@ -324,7 +331,7 @@ class BlockDiffusionCache(CachePolicy):
     L, C, Tc, s = tr.grid.block_len, tr.grid.first_block, tr.grid.canvas_len, blk.s
     c0 = jnp.clip(s - L, 0, Tc - 2 * L).astype(jnp.int32)
     qcol = rows_col(c0) + jnp.arange(2 * L)  # [1 or B, 2L] canvas index of each query
-    key_mask = tr.valid[:, None, :] & (tr.col[None, None, :] < ((qcol // L + 1) * L)[:, :, None])
+    key_mask = block_causal_mask(tr.valid, qcol, L)
     lo = jnp.where(s > C, s - L, s)
     write = jnp.broadcast_to((qcol >= rows_col(lo)) & (qcol < rows_col(s) + L), (tr.batch, 2 * L))
     out = self.window_forward(tr, st, s, c0, 2 * L, key_mask, write, keep_cache=False)

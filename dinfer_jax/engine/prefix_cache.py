@@ -57,11 +57,6 @@ class PrefixStats:
   evicted_blocks: int = 0
   prefills_saved: int = 0
 
-  @property
-  def hit_rate(self) -> float:
-    n = self.hit_blocks + self.miss_blocks
-    return self.hit_blocks / n if n else 0.0
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.engine import loop
+from dinfer_jax.engine import cache_policy, loop
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.engine.generate import bucket_rows, committed_tokens, engine_params, prepare
 from dinfer_jax.engine.layout import Layout
@@ -156,8 +156,7 @@ def prefill_slot(mcfg: ModelConfig, block_len: int, width: int, params: dict, st
   if width:
     q0 = C - width
     canvas, positions, valid = row(st.canvas)[:, :C], row(st.positions)[:, :C], row(st.valid)[:, :C]
-    qblk, kblk = (q0 + jnp.arange(width)) // L, jnp.arange(C) // L
-    mask = valid[:, None, :] & (kblk[None, None, :] <= qblk[None, :, None])
+    mask = cache_policy.block_causal_mask(valid, q0 + jnp.arange(width), L)
     out = forward(params, mcfg, canvas[:, q0:], positions=positions[:, q0:], mask=mask, cache=cache,
                   cache_start=q0, head=False)
     cache = out.kv

@@ -234,6 +234,8 @@ def engine_layout(params: dict[str, Any], cfg: ModelConfig, mesh=None) -> dict[s
   return out
 
 
+# Jitted so the test fuses into the reduction: no bool (or fp32) copy of a multi-GiB expert stack.
+# fp32 count: an int32 one could overflow on a leaf of more than 2**31 values (exact up to 2**24).
 _count_nonfinite = jax.jit(lambda x: jnp.sum(~jnp.isfinite(x), dtype=jnp.float32))
 
 
