@@ -53,7 +53,14 @@ left it); an output cap (the run is killed once stdout+stderr exceed it); an
 empty environment (``env={}``; the interpreter runs with ``-I -S -B``); a fresh temporary working
 directory, deleted afterwards. If the caller dies mid-run, the run still ends: the launcher (or unshare)
 gets a parent-death signal, and the launcher has its own wall-clock alarm as a backstop (wall + 3 s).
-Not enforced: CPU share/niceness and page-cache memory (no cgroup is used). If the caller is SIGKILLed,
+Memory is limited per check as well as per process: a check's processes together hold at most
+`Limits.check_memory_bytes` (by default `memory_bytes`), so 16 processes cannot take 16 x RLIMIT_AS. Where
+the caller may make a memory cgroup (cgroup v2 with the memory controller delegated to it, or a writable
+v1 memory hierarchy, e.g. as root in a container), every run gets a cgroup of its own with that limit and
+no swap, and the kernel enforces it (its OOM kill reports as "memory_limit"). Otherwise the caller sums the
+resident anonymous memory of the run's processes every 20 ms and kills the run past the budget; between two
+polls a run can overshoot by what it allocates in 20 ms, each process still bounded by RLIMIT_AS.
+Not enforced: CPU share/niceness and page-cache memory. If the caller is SIGKILLed,
 the (empty) host directory behind the run's root is left behind in the temp dir.
 """
 from __future__ import annotations
@@ -428,6 +435,7 @@ HOW_TO_ENABLE = ("run as root where `unshare` may create namespaces, or allow un
 # sweep after a run cannot hit anything else.
 SANDBOX_UID_RANGE = (1_700_000_000, 1_800_000_000)
 
+_MEMORY_POLL_S = 0.02  # how often the caller sums a run's memory where no cgroup limits it
 _UNSHARE_FLAGS = ("--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child", "--mount-proc")
 _SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 
@@ -445,6 +453,8 @@ class Limits:
     disk_bytes: Size of the tmpfs working directory (namespace modes only).
     max_processes: Processes/threads the program may have at once (RLIMIT_NPROC).
     max_open_files: File descriptors per process (RLIMIT_NOFILE).
+    check_memory_bytes: Resident memory of all the run's processes together (a cgroup's limit where one
+      can be made, else a polled budget); None means `memory_bytes`.
   """
   cpu_seconds: int = 2
   wall_seconds: float = 5.0
@@ -454,6 +464,7 @@ class Limits:
   disk_bytes: int = 8 * 2**20
   max_processes: int = 16
   max_open_files: int = 64
+  check_memory_bytes: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.cpu_seconds, int) or self.cpu_seconds < 1:
@@ -466,6 +477,15 @@ class Limits:
       value = getattr(self, field)
       if not isinstance(value, int) or value < minimum:
         raise ValueError(f"{field} must be an int >= {minimum}, got {value!r}")
+    if self.check_memory_bytes is not None and (
+        not isinstance(self.check_memory_bytes, int) or self.check_memory_bytes < 32 * 2**20):
+      raise ValueError(f"check_memory_bytes must be None or an int >= {32 * 2**20}, "
+                       f"got {self.check_memory_bytes!r}")
+
+  @property
+  def memory_budget(self) -> int:
+    """Bytes all of one run's processes may hold together."""
+    return self.memory_bytes if self.check_memory_bytes is None else self.check_memory_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,7 +500,8 @@ class SandboxResult:
       killed from outside before the program's status was known.
     timed_out: The wall-clock limit was hit.
     killed_reason: None for a normal exit (even a non-zero one), else why the run was stopped:
-      "wall_timeout", "output_limit", "cpu_limit" (SIGXCPU) or "signal:<NAME>".
+      "wall_timeout", "output_limit", "memory_limit" (the check's processes together went over
+      `Limits.memory_budget`), "cpu_limit" (SIGXCPU) or "signal:<NAME>".
     mode: The isolation mode used (see `MODES`).
   """
   ok: bool
@@ -642,6 +663,150 @@ def _new_workdir() -> str:
   return tempfile.mkdtemp(prefix="dinfer-sandbox-", dir=_workdir_parent())
 
 
+# ----------------------------------------------------------------------------------------------------
+# Memory per check. RLIMIT_AS bounds one process; a check may have max_processes of them.
+
+_cgroup_parent: list = []  # [(version, directory) or None], found once
+
+
+def _read(path: str) -> str:
+  with open(path) as f:
+    return f.read()
+
+
+def _find_cgroup_parent() -> tuple[int, str] | None:
+  """(cgroup version, directory) under which this process may make memory-limited child cgroups.
+
+  v2: this process's cgroup, when `memory` is enabled in its subtree_control and it is writable (a
+  delegated cgroup). v1: this process's cgroup in a writable memory hierarchy. None elsewhere.
+  """
+  try:
+    own = [line.split(":", 2) for line in _read("/proc/self/cgroup").splitlines()]
+    mounts = [line.split() for line in _read("/proc/self/mountinfo").splitlines()]
+  except OSError:
+    return None
+  for want in (2, 1):
+    for hierarchy, controllers, path in own:
+      if (want == 2) != (hierarchy == "0" and controllers == ""):
+        continue
+      if want == 1 and "memory" not in controllers.split(","):
+        continue
+      for m in mounts:
+        dash = m.index("-")
+        fstype, options = m[dash + 1], m[dash + 3] if len(m) > dash + 3 else ""
+        if fstype != ("cgroup2" if want == 2 else "cgroup"):
+          continue
+        if want == 1 and "memory" not in options.split(","):
+          continue
+        root, mountpoint = _unescape_mount_path(m[3]), _unescape_mount_path(m[4])
+        if not _is_under(path, root):
+          continue
+        directory = os.path.join(mountpoint, path[len(root):].lstrip("/"))
+        try:
+          if want == 2:
+            usable = "memory" in _read(os.path.join(directory, "cgroup.subtree_control")).split()
+          else:
+            usable = os.path.exists(os.path.join(directory, "memory.limit_in_bytes"))
+        except OSError:
+          usable = False
+        if usable and os.access(directory, os.W_OK):
+          return want, directory
+  return None
+
+
+class _MemoryGroup:
+  """A memory cgroup of one run, limited to the run's budget with no swap; removed by close()."""
+
+  def __init__(self, version: int, parent: str, limit: int):
+    self.version = version
+    self.path = os.path.join(parent, f"dinfer-sandbox-{secrets.token_hex(8)}")
+    os.mkdir(self.path)
+    try:
+      if version == 2:
+        self._write("memory.max", limit)
+        self._write("memory.swap.max", 0, optional=True)
+        self._write("memory.oom.group", 1, optional=True)  # one OOM kill ends the whole check
+      else:
+        self._write("memory.limit_in_bytes", limit)
+        self._write("memory.memsw.limit_in_bytes", limit, optional=True)  # absent without swap accounting
+    except BaseException:
+      self.close()
+      raise
+
+  def _write(self, name: str, value: int, optional: bool = False) -> None:
+    try:
+      with open(os.path.join(self.path, name), "w") as f:
+        f.write(str(value))
+    except OSError:
+      if not optional:
+        raise
+
+  def oom_killed(self) -> bool:
+    name = "memory.events" if self.version == 2 else "memory.oom_control"
+    try:
+      fields = dict(line.split() for line in _read(os.path.join(self.path, name)).splitlines())
+      return int(fields.get("oom_kill", 0)) > 0
+    except (OSError, ValueError):
+      return False
+
+  def close(self) -> None:
+    # The run's processes are gone by now (the launcher was reaped after its namespace ended), but the
+    # kernel may take a moment to release an emptied cgroup.
+    for _ in range(100):
+      try:
+        os.rmdir(self.path)
+        return
+      except FileNotFoundError:
+        return
+      except OSError:
+        time.sleep(0.01)
+
+
+def _memory_group(limit: int) -> _MemoryGroup | None:
+  """A memory cgroup for one run, or None where none can be made (the caller then polls)."""
+  if not _cgroup_parent:
+    _cgroup_parent.append(_find_cgroup_parent())
+  if _cgroup_parent[0] is None:
+    return None
+  try:
+    return _MemoryGroup(*_cgroup_parent[0], limit)
+  except OSError:
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+  """`pid` and every process below it (orphans of a run are re-parented to its launcher, still below)."""
+  found, todo = [], [pid]
+  while todo:
+    p = todo.pop()
+    found.append(p)
+    try:
+      tasks = os.listdir(f"/proc/{p}/task")
+    except OSError:
+      continue
+    for tid in tasks:
+      try:
+        todo += [int(c) for c in _read(f"/proc/{p}/task/{tid}/children").split()]
+      except OSError:
+        pass
+  return found
+
+
+def _anon_resident_bytes(pids: list[int]) -> int:
+  """Resident memory the processes hold that no file backs (statm: resident minus shared), summed.
+
+  Pages a fork shares copy-on-write count once per process: an overcount, on the safe side.
+  """
+  total = 0
+  for p in pids:
+    try:
+      fields = _read(f"/proc/{p}/statm").split()
+    except OSError:
+      continue
+    total += max(0, int(fields[1]) - int(fields[2]))
+  return total * os.sysconf("SC_PAGE_SIZE")
+
+
 def max_code_bytes(limits: Limits) -> int:
   """The largest program a run takes: half its disk (the program file lives there)."""
   return limits.disk_bytes // 2
@@ -662,6 +827,7 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
              binds=binds, links=links, arch=os.uname().machine, limits=dataclasses.asdict(limits))
   proc = None
   stopped = []  # [whether the launcher exited on its own terms], once the run was stopped
+  group = _memory_group(limits.memory_budget)
 
   def stop() -> bool:
     if not stopped:
@@ -687,6 +853,10 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
       argv = [*_pdeathsig_prefix(), "unshare", "--user", "--map-root-user", *_UNSHARE_FLAGS, "--", *launcher]
     else:
       argv = launcher
+    if group is not None:
+      # The shell joins the cgroup, then execs the sandbox: every process of the run starts inside it.
+      argv = ["/bin/sh", "-c", 'echo 0 > "$0" && exec "$@"', os.path.join(group.path, "cgroup.procs"),
+              *argv]
     # No caller environment for the launcher either: in userns mode a same-uid program could
     # otherwise read it from /proc/<launcher pid>/environ.
     proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -694,7 +864,8 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
                             env={"PATH": _SYSTEM_PATH}, close_fds=True)
     os.close(status_w)
     status_w = -1
-    out, err, status, timed_out, over_output = _collect(proc, status_r, limits, stop)
+    out, err, status, timed_out, over_output, over_memory = _collect(
+        proc, status_r, limits, stop, poll_memory=group is None)
   except FileNotFoundError as e:
     raise SandboxError(f"cannot start the sandbox: {e}") from e
   finally:
@@ -706,6 +877,9 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
     if proc is not None:
       stop()
     _rmtree(workdir)
+    if group is not None:
+      over_memory = group.oom_killed()
+      group.close()
   if "error" in status:
     raise SandboxError(f"sandbox setup failed ({mode}): {status['error']}")
   returncode = status.get("exit", -status["signal"] if "signal" in status else None)
@@ -714,6 +888,8 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
     killed_reason = "wall_timeout"
   elif over_output:
     killed_reason = "output_limit"
+  elif over_memory:
+    killed_reason = "memory_limit"
   elif "signal" in status:
     sig = status["signal"]
     killed_reason = "cpu_limit" if sig == signal.SIGXCPU else f"signal:{_signal_name(sig)}"
@@ -724,11 +900,13 @@ def _run(code: str, stdin: str, limits: Limits, mode: str) -> SandboxResult:
                        returncode=returncode, timed_out=timed_out, killed_reason=killed_reason, mode=mode)
 
 
-def _collect(proc: subprocess.Popen, status_r: int, limits: Limits, stop: Callable[[], bool]):
-  """Reads stdout/stderr/status until the launcher is done, enforcing wall time and output size.
+def _collect(proc: subprocess.Popen, status_r: int, limits: Limits, stop: Callable[[], bool],
+             poll_memory: bool = True):
+  """Reads stdout/stderr/status until the launcher is done, enforcing wall time and output size, and
+  (`poll_memory`, where no cgroup holds the run) the run's memory budget every `_MEMORY_POLL_S`.
 
   Returns:
-    (stdout bytes, stderr bytes, status dict, timed_out, over_output).
+    (stdout bytes, stderr bytes, status dict, timed_out, over_output, over_memory).
   """
   out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
   bufs = {out_fd: bytearray(), err_fd: bytearray(), status_r: bytearray()}
@@ -737,7 +915,7 @@ def _collect(proc: subprocess.Popen, status_r: int, limits: Limits, stop: Callab
     os.set_blocking(fd, False)
     sel.register(fd, selectors.EVENT_READ)
   deadline = time.monotonic() + limits.wall_seconds
-  timed_out = over_output = False
+  timed_out = over_output = over_memory = False
   drain_until = None  # once the launcher is done or the run was killed: read what is left, briefly
   try:
     while sel.get_map():
@@ -749,7 +927,14 @@ def _collect(proc: subprocess.Popen, status_r: int, limits: Limits, stop: Callab
         stop()
         drain_until = time.monotonic() + 0.5
         continue
-      for key, _ in sel.select((drain_until or deadline) - now):
+      if poll_memory and drain_until is None and (
+          _anon_resident_bytes(_descendants(proc.pid)) > limits.memory_budget):
+        over_memory = True
+        stop()
+        drain_until = time.monotonic() + 0.5
+        continue
+      wait = (drain_until or deadline) - now
+      for key, _ in sel.select(min(wait, _MEMORY_POLL_S) if poll_memory else wait):
         try:
           data = os.read(key.fd, 65536)
         except BlockingIOError:
@@ -773,7 +958,7 @@ def _collect(proc: subprocess.Popen, status_r: int, limits: Limits, stop: Callab
   for line in bufs[status_r].decode("utf-8", "replace").splitlines():
     kind, _, value = line.partition(" ")
     status[kind] = value if kind == "error" else int(value)
-  return bytes(bufs[out_fd]), bytes(bufs[err_fd]), status, timed_out, over_output
+  return bytes(bufs[out_fd]), bytes(bufs[err_fd]), status, timed_out, over_output, over_memory
 
 
 def _stop(proc: subprocess.Popen, mode: str) -> bool:

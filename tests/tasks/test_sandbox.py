@@ -57,8 +57,8 @@ def _record(monkeypatch, name: str) -> list:
   seen = []
   make = getattr(sandbox, name)
 
-  def record():
-    seen.append(make())
+  def record(*args):
+    seen.append(make(*args))
     return seen[-1]
 
   monkeypatch.setattr(sandbox, name, record)
@@ -200,6 +200,50 @@ def test_huge_allocation_fails(mode):
   r = run_python("x = bytearray(10 * 1024**3)\nprint('allocated')", limits=FAST, mode=mode)
   assert not r.ok and "allocated" not in r.stdout
   assert "MemoryError" in r.stderr, r
+
+
+# Forks `n` children that each hold `mb` MiB (touched, so resident) for a second: each is well under the
+# per-process RLIMIT_AS, only their sum can be over the check's budget.
+FORKED_MEMORY = """
+import os, time
+kids = []
+for i in range({n}):
+  pid = os.fork()
+  if pid == 0:
+    x = b"\\x01" * ({mb} * 2**20)
+    time.sleep(1.0)
+    os._exit(0)
+  kids.append(pid)
+for k in kids:
+  os.waitpid(k, 0)
+print("all held")
+"""
+_CGROUP = sandbox._find_cgroup_parent()
+
+
+@pytest.mark.parametrize("enforcer", ["cgroup", "poll"])
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_is_limited_per_check_not_per_process(mode, enforcer, monkeypatch):
+  # Before: RLIMIT_AS alone let 16 processes of 512 MiB take ~8.5 GiB in one check.
+  if enforcer == "cgroup" and _CGROUP is None:
+    pytest.skip("no memory cgroup can be made here (the polled budget is the 'poll' case)")
+  monkeypatch.setattr(sandbox, "_cgroup_parent", [_CGROUP if enforcer == "cgroup" else None])
+  made = _record(monkeypatch, "_memory_group") if enforcer == "cgroup" else None
+  limits = Limits(cpu_seconds=3, wall_seconds=8.0, memory_bytes=256 * 2**20, check_memory_bytes=200 * 2**20)
+  r = run_python(FORKED_MEMORY.format(n=6, mb=100), limits=limits, mode=mode)
+  assert not r.ok and r.killed_reason == "memory_limit", r
+  # Under the budget the same program runs: the limit is on the sum, not on forking.
+  r = run_python(FORKED_MEMORY.format(n=2, mb=40), limits=limits, mode=mode)
+  assert r.ok and r.stdout.strip() == "all held", r
+  if made is not None:
+    assert len(made) == 2 and all(g is not None and not os.path.exists(g.path) for g in made), made
+
+
+def test_check_memory_limit_validated():
+  with pytest.raises(ValueError, match="check_memory_bytes"):
+    Limits(check_memory_bytes=1024)
+  assert Limits(memory_bytes=64 * 2**20).memory_budget == 64 * 2**20
+  assert Limits(check_memory_bytes=96 * 2**20).memory_budget == 96 * 2**20
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -392,6 +436,9 @@ def test_non_root_modes_contain_hostile_programs():
       "write": (f"import os\np = {outside!r}\ntry:\n  os.makedirs(os.path.dirname(p))\n"
                 "  open(p, 'w').write('x')\n  print('WROTE')\nexcept OSError as e:\n  print('refused')"),
       "memory": "x = bytearray(10 * 1024**3)\nprint('allocated')",
+      # 6 x 100 MiB: each under RLIMIT_AS, together over the check's budget (nobody cannot make a cgroup:
+      # the caller's polled budget stops it).
+      "forked_memory": FORKED_MEMORY.format(n=6, mb=100).replace("print(\"all held\")", "print('allocated')"),
   }
   # The caller (nobody) carries the secret in its environment: same uid as the userns program outside.
   proc = subprocess.run(
@@ -417,6 +464,8 @@ def test_non_root_modes_contain_hostile_programs():
       else:
         assert not ok, (key, stdout, killed_reason)
       assert "connected" not in stdout and "allocated" not in stdout and "WROTE" not in stdout, (key, stdout)
+      if name == "forked_memory":
+        assert killed_reason == "memory_limit", (key, stdout, killed_reason)
       if name in ("loop", "fork_bomb"):
         assert killed_reason in ("cpu_limit", "wall_timeout"), (key, killed_reason)
     assert not out["connection_arrived"]
