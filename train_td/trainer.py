@@ -384,7 +384,24 @@ def _first_nonfinite(first: jax.Array, loss: jax.Array, grad_norm: jax.Array, st
 
 
 class NonFiniteError(FloatingPointError):
-  """A step's loss or gradient norm was NaN/inf: the run stopped before saving it."""
+  """A step's loss or gradient norm, or the weights about to be saved or resumed from, were NaN/inf: the run
+  stopped before saving."""
+
+
+@jax.jit
+def _weights_finite(params: Any) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(params)]))
+
+
+def _refuse_nonfinite_weights(params: Any, what: str) -> None:
+  # A weight can turn NaN/inf while the loss stays finite (a vocabulary row no batch reaches, say). Saving
+  # it would let retention delete the last finite checkpoint, so every checkpoint is checked first: one
+  # reduction over the weights per save, against writing all of them.
+  if not bool(_weights_finite(params)):
+    bad = params_lib.nonfinite_weights(params)
+    names = ", ".join(f"{p} ({n} values)" for p, n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    raise NonFiniteError(f"{what}: NaN/inf weights in {names}; stopped without saving. Check the data "
+                         "(train_td.td_data.check_shard), the learning rate and the starting weights")
 
 
 def _stop_if_nonfinite(first_bad: int, mngr) -> None:
@@ -451,6 +468,7 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   if have is not None:
     state_sh = None if mesh is None else (step_fn.param_shardings, step_fn.opt_shardings)
     params, opt_state, start = restore(run_dir, tc, have, optimizer, shardings=state_sh)
+    _refuse_nonfinite_weights(params, f"{run_dir} checkpoint step {start}, the one this run resumes from")
   else:
     params, opt_state = init_state(tc, optimizer)
     if init_params is not None:
@@ -496,6 +514,8 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
                           tok_s=f"{tps:.0f}")
         bar.update(1)
         if done % tc.ckpt_every == 0 or done == end:
+          _refuse_nonfinite_weights(params, f"step {done} (the last checkpoint, step {mngr.latest_step()}, "
+                                    "is kept)")
           mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), force=True)
     mngr.wait_until_finished()
   finally:

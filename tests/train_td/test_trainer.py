@@ -417,6 +417,30 @@ def test_a_nonfinite_step_stops_the_run_without_saving_and_export_refuses_nan(tm
   assert not (tmp_path / "out").exists()
 
 
+def test_nonfinite_weights_under_a_finite_loss_are_never_saved_or_resumed(tmp_path):
+  """An inf in an embedding row no batch reaches leaves the loss and the gradient finite (its gradient is
+  zero); before, every checkpoint saved it, and retention (keep_checkpoints=2) deleted the finite ones."""
+  tc = tiny_config(steps=4)
+  params, _ = trainer.init_state(tc)
+  bad = dict(params, embed=params["embed"].at[-1, 0].set(jnp.inf))  # the last row: no task uses it
+  with pytest.raises(trainer.NonFiniteError, match=r"step 2 \(the last checkpoint, step None, is kept\): "
+                     r"NaN/inf weights in embed \(1 values\); stopped without saving"):
+    trainer.train(tc, tmp_path / "run", progress=False, init_params=bad)
+  assert trainer.latest_step(tmp_path / "run") is None
+  # A run resumed from a checkpoint with NaN/inf weights (saved before this check existed) is refused.
+  run = tmp_path / "good"
+  trainer.train(tc, run, progress=False, stop_at=2)
+  good, opt, step = trainer.restore(run, tc)
+  mngr = trainer._manager(run, tc)
+  mngr.save(3, args=trainer.ocp.args.StandardSave({"params": dict(good, lm_head=good["lm_head"] * jnp.nan),
+                                                   "opt_state": opt}), force=True)
+  mngr.wait_until_finished()
+  mngr.close()
+  with pytest.raises(trainer.NonFiniteError, match=r"checkpoint step 3, the one this run resumes from: "
+                     r"NaN/inf weights in lm_head \(4096 values\)"):
+    trainer.train(tc, run, progress=False)
+
+
 def _write_shard(path, **over):
   import pyarrow as pa
   import pyarrow.parquet as pq
