@@ -29,7 +29,7 @@ from dinfer_jax.answer import cut_at_stop, settled_prefix, with_token_cap
 from dinfer_jax.cli_common import prompt_tasks, trained_tasks
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.serve.batcher import Batcher, Job, QueueFull
-from dinfer_jax.serve.metrics import Metrics
+from dinfer_jax.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 
 
 class APIError(Exception):
@@ -539,7 +539,7 @@ def create_app(model, batcher: Batcher, metrics: Metrics, cfg: ServerConfig) -> 
 
   @app.get("/metrics")
   async def prom():
-    return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
   @app.get("/v1/models")
   async def models():

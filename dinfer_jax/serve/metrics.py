@@ -1,21 +1,17 @@
-"""Prometheus text exposition (format 0.0.4) for the server, without a client-library dependency."""
+"""The server's Prometheus metrics. The numbers are kept here, under one lock, as the event loop and the batcher's
+thread update them; prometheus_client writes the exposition (names, label escaping, histogram lines) from a
+registry of the server's own (not the process-wide default, so two apps in one process do not collide)."""
 from __future__ import annotations
 
 import bisect
 import threading
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-
-def _escape(v: str) -> str:
-  """A label value as the exposition format writes it: backslash, double quote and newline escaped."""
-  return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _labels(labels: dict[str, str]) -> str:
-  if not labels:
-    return ""
-  return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items())) + "}"
 
 
 OTHER_ROUTE = "other"
@@ -33,13 +29,12 @@ class Histogram:
     self.sum += v
     self.n += 1
 
-  def lines(self, name: str) -> list[str]:
-    out, acc = [], 0
+  def family(self, name: str, help_: str) -> HistogramMetricFamily:
+    acc, buckets = 0, []
     for b, c in zip(self.buckets + (float("inf"),), self.counts):
       acc += c
-      le = "+Inf" if b == float("inf") else repr(float(b))
-      out.append(f'{name}_bucket{{le="{le}"}} {acc}')
-    return out + [f"{name}_sum {self.sum}", f"{name}_count {self.n}"]
+      buckets.append((floatToGoString(b), acc))
+    return HistogramMetricFamily(name, help_, buckets=buckets, sum_value=self.sum)
 
 
 class Metrics:
@@ -47,6 +42,8 @@ class Metrics:
 
   def __init__(self, max_batch: int):
     self._lock = threading.Lock()
+    self._registry = CollectorRegistry(auto_describe=False)
+    self._registry.register(self)
     self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
     # The app's route paths: any other path a client sends counts as OTHER_ROUTE, so the labels stay bounded
     # whatever is requested (None: paths as given, for callers without routes).
@@ -83,44 +80,44 @@ class Metrics:
     with self._lock:
       self.dropped += 1
 
-  def render(self) -> str:
+  def collect(self):
+    """The metric families, read under the lock (prometheus_client's collector protocol)."""
     with self._lock:
-      L = ["# HELP dinfer_requests_total HTTP requests by endpoint and status code.",
-           "# TYPE dinfer_requests_total counter"]
+      requests = CounterMetricFamily("dinfer_requests", "HTTP requests by endpoint and status code.",
+                                     labels=["endpoint", "status"])
       for (ep, st), c in sorted(self.requests.items()):
-        L.append(f"dinfer_requests_total{_labels({'endpoint': ep, 'status': str(st)})} {c}")
-      simple = [
-          ("dinfer_generated_tokens_total", "counter", "Generated tokens before EOS.", self.generated_tokens),
-          ("dinfer_row_forwards_total", "counter", "Forwards each row took part in, summed over rows.",
-           self.row_forwards),
-          ("dinfer_engine_forwards_total", "counter", "Forwards executed by the engine (batched ones count once).",
+        requests.add_metric([ep, str(st)], c)
+      out = [requests]
+      counters = [
+          ("dinfer_generated_tokens", "Generated tokens before EOS.", self.generated_tokens),
+          ("dinfer_row_forwards", "Forwards each row took part in, summed over rows.", self.row_forwards),
+          ("dinfer_engine_forwards", "Forwards executed by the engine (batched ones count once).",
            self.engine_forwards),
-          ("dinfer_engine_calls_total", "counter", "Batched engine calls.", self.engine_calls),
-          ("dinfer_dropped_requests_total", "counter", "Requests dropped before running (client gone, timeout).",
-           self.dropped),
-          ("dinfer_tokens_per_forward", "gauge", "Generated tokens / row forwards since start (TPF).",
+          ("dinfer_engine_calls", "Batched engine calls.", self.engine_calls),
+          ("dinfer_dropped_requests", "Requests dropped before running (client gone, timeout).", self.dropped),
+      ]
+      gauges = [
+          ("dinfer_tokens_per_forward", "Generated tokens / row forwards since start (TPF).",
            self.generated_tokens / self.row_forwards if self.row_forwards else 0.0),
-          ("dinfer_queue_depth", "gauge", "Requests waiting to run.", self.queue_depth()),
+          ("dinfer_queue_depth", "Requests waiting to run.", self.queue_depth()),
       ]
       prefix = self.prefix()
       if prefix is not None:
         ps, used = prefix
-        simple += [
-            ("dinfer_prefix_cache_hit_blocks_total", "counter", "Prompt blocks whose K/V came from the prefix cache.",
-             ps.hit_blocks),
-            ("dinfer_prefix_cache_miss_blocks_total", "counter", "Prompt blocks looked up and not found.",
-             ps.miss_blocks),
-            ("dinfer_prefix_cache_evicted_blocks_total", "counter", "Blocks evicted (least recently used).",
-             ps.evicted_blocks),
-            ("dinfer_prefix_cache_prefills_saved_total", "counter",
-             "Prefill forwards not run: every whole prompt block hit.", ps.prefills_saved),
-            ("dinfer_prefix_cache_bytes", "gauge", "Device bytes the cached blocks take.", used),
+        counters += [
+            ("dinfer_prefix_cache_hit_blocks", "Prompt blocks whose K/V came from the prefix cache.", ps.hit_blocks),
+            ("dinfer_prefix_cache_miss_blocks", "Prompt blocks looked up and not found.", ps.miss_blocks),
+            ("dinfer_prefix_cache_evicted_blocks", "Blocks evicted (least recently used).", ps.evicted_blocks),
+            ("dinfer_prefix_cache_prefills_saved", "Prefill forwards not run: every whole prompt block hit.",
+             ps.prefills_saved),
         ]
-      for name, typ, help_, v in simple:
-        L += [f"# HELP {name} {help_}", f"# TYPE {name} {typ}", f"{name} {v}"]
-      for name, help_, h in (("dinfer_request_latency_seconds", "Completion request latency.", self.latency),
-                             ("dinfer_engine_call_seconds", "Wall time of one batched engine call.",
-                              self.engine_seconds),
-                             ("dinfer_batch_rows", "Rows per engine call.", self.batch_rows)):
-        L += [f"# HELP {name} {help_}", f"# TYPE {name} histogram"] + h.lines(name)
-    return "\n".join(L) + "\n"
+        gauges.append(("dinfer_prefix_cache_bytes", "Device bytes the cached blocks take.", used))
+      out += [CounterMetricFamily(name, help_, value=v) for name, help_, v in counters]
+      out += [GaugeMetricFamily(name, help_, value=v) for name, help_, v in gauges]
+      out += [self.latency.family("dinfer_request_latency_seconds", "Completion request latency."),
+              self.engine_seconds.family("dinfer_engine_call_seconds", "Wall time of one batched engine call."),
+              self.batch_rows.family("dinfer_batch_rows", "Rows per engine call.")]
+    return out
+
+  def render(self) -> str:
+    return generate_latest(self._registry).decode()

@@ -73,3 +73,18 @@ def test_sizes_the_weights_do_not_hold_are_refused_before_anything_is_built(tmp_
   (d / "config.json").write_text(json.dumps(hf))
   with pytest.raises(CheckpointError, match=why):
     dinfer_jax.load(d)
+
+
+@pytest.mark.parametrize("key,value,leaf", [("num_hidden_layers", 10**9, "moe_layers.attn_norm"),
+                                            ("num_experts", 10**9, "moe_layers.experts.down"),
+                                            ("vocab_size", 10**11, "embed")])
+def test_converted_checkpoint_sizes_are_checked_against_its_metadata_first(tmp_path, key, value, leaf):
+  """The converted (orbax) path compares config.json's shapes with the stored arrays' metadata before any leaf
+  is read, so an absurd size is a one-line error, not an allocation."""
+  cfg, hf = checkpoint.read_hf_config(GOLD)
+  checkpoint.save_converted(tmp_path / "conv", checkpoint.load_hf_params(GOLD, cfg, "float32"), hf)
+  f = tmp_path / "conv" / "config.json"
+  f.write_text(json.dumps({**json.loads(f.read_text()), key: value}))
+  with pytest.raises(CheckpointError, match=rf"stored leaf {leaf} has shape \(.*\), expected \(.*{value}.*\) "
+                     "from config.json"):
+    dinfer_jax.load(tmp_path / "conv")

@@ -184,5 +184,5 @@ def test_block_diffusion_reuses_prompt_blocks_across_requests():
   for res, p in zip(out, prompts):
     assert res[0].tokens == dinfer_jax.generate(model, [p], g).tokens[0]
   text = metrics.render()
-  assert "dinfer_prefix_cache_hit_blocks_total 4\n" in text and "dinfer_prefix_cache_miss_blocks_total 2\n" in text
-  assert "dinfer_prefix_cache_prefills_saved_total 2\n" in text
+  assert "dinfer_prefix_cache_hit_blocks_total 4.0\n" in text and "dinfer_prefix_cache_miss_blocks_total 2.0\n" in text
+  assert "dinfer_prefix_cache_prefills_saved_total 2.0\n" in text

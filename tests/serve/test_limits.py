@@ -203,14 +203,19 @@ def test_metrics_labels_stay_bounded_and_parse(default_model, default_gcfg):
   codes, text = asyncio.run(scenario())
   assert set(codes) == {404}
   labelled = [ln for ln in text.splitlines() if ln.startswith("dinfer_requests_total{")]
-  assert labelled == ['dinfer_requests_total{endpoint="other",status="404"} 42']
+  assert labelled == ['dinfer_requests_total{endpoint="other",status="404"} 42.0']
   import re
   sample = re.compile(r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]\w*="(\\.|[^"\\\n])*",?)*\})? [-+0-9.eE]+(e[+-]?\d+)?|[-+]?Inf|NaN')
   assert all(ln.startswith("#") or sample.fullmatch(ln) for ln in text.splitlines() if ln), text
   # Without routes (a bare Metrics), a value with a quote, a backslash and a newline is escaped.
   m = Metrics(2)
   m.request('a"b\\c\nd', 404)
-  assert 'dinfer_requests_total{endpoint="a\\"b\\\\c\\nd",status="404"} 1' in m.render()
+  assert 'dinfer_requests_total{endpoint="a\\"b\\\\c\\nd",status="404"} 1.0' in m.render()
+  # and the exposition reads back to the same value.
+  from prometheus_client.parser import text_string_to_metric_families
+  fams = {f.name: f for f in text_string_to_metric_families(m.render())}
+  assert [(x.labels, x.value) for x in fams["dinfer_requests"].samples] == [
+      ({"endpoint": 'a"b\\c\nd', "status": "404"}, 1.0)]
 
 
 def test_prompt_lists_are_bounded_and_token_ids_are_integers(default_model, default_gcfg):
