@@ -44,3 +44,10 @@ def settled_prefix(text: str, stops: Sequence[str] | None) -> str:
   while end > 0 and text[end - 1] == "\ufffd":
     end -= 1
   return text[:end]
+
+
+def shown_answer(text: str) -> str:
+  """An answer as the CLI prints it and chat returns it. Surrounding whitespace (the default model's column
+  padding, " 627") only blurs where an answer starts. A prefix's shown form is a prefix of the whole answer's,
+  so streamed pieces of it add up to the final text."""
+  return text.strip()

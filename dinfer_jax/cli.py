@@ -14,8 +14,8 @@ import jax
 from tqdm import tqdm
 
 import dinfer_jax
-from dinfer_jax import cli_common, diagnostics, prompt_input
-from dinfer_jax.answer import cut_at_stop, with_token_cap
+from dinfer_jax import cli_common, cli_help, diagnostics, prompt_input
+from dinfer_jax.answer import cut_at_stop, shown_answer, with_token_cap
 from dinfer_jax.bench import cli as bench_cli
 from dinfer_jax.checkpoint import cli as checkpoint_cli
 from dinfer_jax.cli_common import (Command, decode_tokens, encode_prompts, generation_config, knob_sources,
@@ -30,10 +30,9 @@ def _print_answer(args: argparse.Namespace, model, prompts: Sequence[Any], r: in
   """Prints prompt r's answer (row i of `res`) as --json/--show-steps ask; returns its token count."""
 
   toks = res.tokens[i][:args.max_new_tokens] if args.max_new_tokens else res.tokens[i]
-  # Surrounding whitespace (e.g. the default model's column padding, " 627") only blurs where an answer
-  # starts: the same answer, stripped, in plain and JSON output; --show-steps shows the raw canvas.
+  # The same shown answer in plain and JSON output; --show-steps shows the raw canvas.
   text, stopped = cut_at_stop(decode_tokens(model, toks), args.stop)
-  text = text.strip()
+  text = shown_answer(text)
   steps = (res.canvas[i], res.commit_step[i], res.prompt_lengths[i], res.row_nfe[i])
   if args.json:
     out = {"prompt": prompts[r], "answer": text, "tokens": len(toks), "nfe": res.row_nfe[i],
@@ -154,7 +153,7 @@ def build_parser(model_defaults: dict[str, Any] | None = None, *, plugin_help: b
   for name in delegated_names():  # listed in the help; main() hands their arguments over unparsed
     text = delegated(name).help if plugin_help or name == "convert" else f"{_plugins()[name].module}'s command"
     sub.add_parser(name, help=text, add_help=False)
-  return ap
+  return cli_help.show_defaults(ap)
 
 
 # ----------------------------------------------------------------------------- delegated subcommands
@@ -213,6 +212,11 @@ def _hoist_model(argv: list[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
   argv = _hoist_model(list(sys.argv[1:] if argv is None else argv))
+  name = f"dinfer-jax {argv[0]}" if argv and not argv[0].startswith("-") else "dinfer-jax"
+  return cli_common.run_stoppable(name, lambda: _main(argv))
+
+
+def _main(argv: list[str]) -> int:
   if argv and argv[0] in delegated_names():
     return delegated(argv[0]).main(argv[1:], f"dinfer-jax {argv[0]}")
   args = build_parser(cli_common.help_defaults(argv), plugin_help=argv[:1] in (["-h"], ["--help"])).parse_args(argv)

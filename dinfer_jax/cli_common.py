@@ -10,7 +10,9 @@ import argparse
 import dataclasses
 import os
 import pathlib
+import signal
 import sys
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 from dinfer_jax import decoders, tasks
@@ -29,6 +31,43 @@ class Command:
   help: str
   main: Callable[[Sequence[str], str], int]
   subcommands: tuple[str, ...] = ()
+
+
+
+class Terminated(BaseException):
+  """SIGTERM, raised in the main thread where Ctrl-C raises KeyboardInterrupt (not an Exception: no handler
+  meant for errors swallows it)."""
+
+
+def _raise_terminated(signum, frame):
+  raise Terminated()
+
+
+def run_stoppable(name: str, fn: Callable[[], int]) -> int:
+  """Runs a command's body so that Ctrl-C and SIGTERM end it with one line and exit 130 / 143.
+
+  The process then leaves through os._exit: JAX's and orbax's threads may be inside a compile or a write that
+  the signal cut short, and a normal interpreter exit would join them (printing their tracebacks) or cancel
+  them inside C++ (an abort, or a segfault). Output is flushed first; what a command writes is written
+  atomically (or into a temporary it removes), so nothing half-written is left.
+  """
+  main_thread = threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+  try:
+    return fn()
+  except KeyboardInterrupt:
+    code, what = 130, "interrupted"
+  except Terminated:
+    code, what = 143, "terminated"
+  finally:
+    if main_thread:
+      signal.signal(signal.SIGTERM, previous)
+  try:
+    sys.stdout.flush()
+  except (OSError, ValueError):
+    pass
+  print(f"{name}: {what}", file=sys.stderr, flush=True)
+  os._exit(code)
 
 
 DTYPES = ("float32", "bfloat16")
@@ -214,6 +253,30 @@ def knob_sources(args: argparse.Namespace, model_path: str | None) -> dict[str, 
   return out
 
 
+def chat_text(model, messages: Sequence[dict], where: str = "the chat") -> str:
+  """A chat's text through the model's chat template, or a ValueError saying why it would not reach the model.
+
+  Refused: an empty message (as an empty prompt is); a system message the template leaves out (it renders the
+  same without it: the embedded model's has no place for one, and its answer ignored it without a word); more
+  than one turn to a model that lists the single-question tasks it was trained on (generation_config.json
+  "trained_tasks": the embedded model answered a two-turn chat with '').
+  """
+  tok = model.tokenizer
+  for i, m in enumerate(messages):
+    if not str(m.get("content", "")).strip():
+      raise ValueError(f"{where}: message {i} ({m.get('role')}) is empty: give the model something to answer")
+  turns = [m for m in messages if m.get("role") != "system"]
+  if len(turns) > 1 and trained_tasks(model) is not None:
+    raise ValueError(f"{where}: {len(turns)} turns, but the model at {model.path} answers single questions (its "
+                     f"generation_config.json lists the tasks it was trained on: {', '.join(trained_tasks(model))}); "
+                     "send one user message")
+  text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+  if len(turns) < len(messages) and text == tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True):
+    raise ValueError(f"{where}: the model's chat template has no place for a system message (it renders the same "
+                     "without it); put the instruction in the user message")
+  return text
+
+
 def encode_prompts(model, prompts: Sequence[Any], *, raw: bool = False, system: str | None = None,
                    warn: bool = True) -> list[list[int]]:
   """Text -> token ids, through the tokenizer's chat template when it has one. A prompt may also be a list
@@ -224,13 +287,12 @@ def encode_prompts(model, prompts: Sequence[Any], *, raw: bool = False, system: 
   for i, p in enumerate(prompts):
     if tok is None:
       if not isinstance(p, str):
-        raise SystemExit(f"error: the model at {model.path} has no tokenizer (nor chat template); prompt {i} "
-                         "is a chat")
+        raise ValueError(f"the model at {model.path} has no tokenizer (nor chat template); prompt {i} is a chat")
       try:
         out.append([int(t) for t in p.replace(",", " ").split()])
       except ValueError:
-        raise SystemExit(f"error: the model at {model.path} has no tokenizer; give prompts as token ids "
-                         f"like '12,7,99' (got {p!r})") from None
+        raise ValueError(f"the model at {model.path} has no tokenizer; give prompts as token ids like "
+                         f"'12,7,99' (got {p!r})") from None
       continue
     if isinstance(p, str) and (raw or not getattr(tok, "chat_template", None)):
       out.append(tok.encode(p, add_special_tokens=False))
@@ -239,8 +301,7 @@ def encode_prompts(model, prompts: Sequence[Any], *, raw: bool = False, system: 
         raise ValueError(f"prompt {i} is a chat, but the model at {model.path} has no chat template")
       msgs = p if not isinstance(p, str) else ([{"role": "system", "content": system}] if system else []) + [
           {"role": "user", "content": p}]
-      text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-      out.append(tok.encode(text, add_special_tokens=False))
+      out.append(tok.encode(chat_text(model, msgs, f"prompt {i}"), add_special_tokens=False))
     if warn:
       warn_unknown_characters(model, i, p, out[-1])
   return out

@@ -74,7 +74,7 @@ def read_file(path: str, stdin: TextIO | None = None) -> list[Prompt]:
 def collect(positional: list[str], file: str | None, stdin: TextIO | None = None) -> list[Prompt]:
   """Command-line prompts ('-' reads stdin there), then the file's."""
   out: list[Prompt] = []
-  for i, p in enumerate(positional, 1):
+  for i, p in enumerate(positional):  # counted from 0, as every other prompt error counts them
     if not p.strip():
       raise ValueError(f"prompt {i} is empty: give the model something to answer")
     out.extend(read_file("-", stdin) if p == "-" else [p])

@@ -146,8 +146,8 @@ def test_available_bytes_reads_accelerator_memory_stats():
 @pytest.mark.parametrize("argv, data, wants", [
     (["--file", "{f}"], b"What is 1+1?\nWhat is 2+\xff2?\n", ["prompts file {f}:2: not UTF-8 text (byte 0xff"]),
     (["--file", "{f}"], b'{"prompt": "What is 1+1?"}\n{"prompt": "  "}\n', ["prompts file {f}:2: empty prompt"]),
-    ([""], None, ["prompt 1 is empty"]),
-    (["What is 1+1?", " "], None, ["prompt 2 is empty"]),
+    ([""], None, ["prompt 0 is empty"]),
+    (["What is 1+1?", " "], None, ["prompt 1 is empty"]),
 ])
 def test_prompt_files_and_empty_prompts(tmp_path, capsys, argv, data, wants):
   f = tmp_path / "prompts.txt"

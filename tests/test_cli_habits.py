@@ -4,6 +4,7 @@ warning for characters the tokenizer does not know, quiet transformers, convert/
 import io
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -64,17 +65,35 @@ def test_prompts_from_a_file_stdin_and_jsonl_batched(model, gcfg, tmp_path, caps
   assert [r["prompt"] for r in rows] == QS
   assert [r["answer"] for r in rows] == [_alone(model, gcfg, q) for q in QS]
   assert all(r["nfe"] > 0 and r["tpf"] == pytest.approx(r["tokens"] / r["nfe"]) for r in rows)
-  # JSONL: a chat with a system prompt, a {"prompt"} line and a JSON string; read from stdin.
-  chat = [{"role": "system", "content": "You add."}, {"role": "user", "content": "348+279"}]
+  # JSONL: a chat, a {"prompt"} line and a JSON string; read from stdin.
+  chat = [{"role": "user", "content": "348+279"}]
   jl = "\n".join([json.dumps({"messages": chat}), json.dumps({"prompt": "61*7"}), json.dumps("905-417")])
   monkeypatch.setattr(sys, "stdin", io.StringIO(jl))
   assert cli.main(["generate", "-", "--json", "--batch-size", "2", "--no-progress"]) == 0
   rows = _json_lines(capsys.readouterr().out)
   assert [r["answer"] for r in rows] == [_alone(model, gcfg, chat), _alone(model, gcfg, "61*7"),
                                          _alone(model, gcfg, "905-417")]
-  # --system wraps text prompts.
-  assert cli.main(["generate", "--system", "You add.", "--json", "348+279"]) == 0
-  assert _json_lines(capsys.readouterr().out)[0]["answer"] == _alone(model, gcfg, "348+279", system="You add.")
+
+
+def test_chats_reach_the_model_or_are_refused(model, gcfg, tmp_path, capsys):
+  """The embedded model's chat template has no place for a system message, and it answers single questions:
+  a system prompt was dropped without a word, and a two-turn chat answered ''. Both are refused now, naming
+  why, as an empty message is; a template that renders the system message passes it to the model."""
+  assert cli.main(["generate", "--system", "You add.", "348+279"]) == 2
+  assert "no place for a system message" in capsys.readouterr().err
+  two = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2"}]
+  empty = [{"role": "user", "content": "  "}]
+  for chat, why in ((two, "3 turns, but the model at .* answers single questions"), (empty, "message 0 .* is empty")):
+    with pytest.raises(ValueError, match=why):
+      cli_common.encode_prompts(model, [chat])
+  d = tmp_path / "m"
+  shutil.copytree(model.path, d)
+  (d / "chat_template.jinja").write_text(
+      "{%- for m in messages -%}{{- '<|user|>' + m['content'] -}}{%- endfor -%}{{- '<|assistant|>' -}}")
+  with_system = dinfer_jax.load(d)
+  a, b = cli_common.encode_prompts(with_system, ["348+279"], system="sort"), cli_common.encode_prompts(
+      with_system, ["348+279"])
+  assert len(a[0]) > len(b[0]) and a[0][-len(b[0]):] == b[0]  # the system turn, then the same question
 
 
 def test_max_new_tokens_and_stop(model, gcfg, capsys):

@@ -26,7 +26,8 @@ from typing import Sequence
 import jax
 
 from dinfer_jax.cli_common import (DTYPES, QUANTIZE_CHOICES, Command, add_generation_flags, add_model_flags,
-                                   quantize_spec)
+                                   help_defaults, quantize_spec, run_stoppable)
+from dinfer_jax import cli_help
 from dinfer_jax.model.params import count_params
 from dinfer_jax.sharding import add_parallel_flags, setup_parallel
 from dinfer_jax.tasks.sandbox import SandboxError
@@ -164,7 +165,7 @@ def cmd_train_td(args, kw, mesh=None) -> int:
   return 0
 
 
-def _add_collect(sub):
+def _add_collect(sub, model_defaults=None):
   p = sub.add_parser("collect", help="golden trajectories of a model on training prompts (Parquet shards)")
   add_model_flags(p)
   p.add_argument("--task", required=True)
@@ -173,7 +174,7 @@ def _add_collect(sub):
   p.add_argument("--batch", type=_positive_int, default=128, help="prompts per engine call (= per shard)")
   p.add_argument("--seed", type=int, default=0, help="which training prompts")
   p.add_argument("--no-progress", action="store_true")
-  add_generation_flags(p)  # knobs not given come from the model's generation_config.json (and its task rule)
+  add_generation_flags(p, model_defaults)  # knobs not given: the model's generation_config.json (and its task rule)
   add_parallel_flags(p)
   p.set_defaults(func=cmd_collect)
 
@@ -183,6 +184,9 @@ def cmd_collect(args) -> int:
     raise ValueError("collect: --mesh is not used: each process runs its share of the batches on its own devices")
   setup_parallel(args)  # under jax.distributed each process collects its share and writes its own shards
   return collect.main(args)
+
+
+RECIPE_TASK_WEIGHTS = "split=0.4,arithmetic=0.3,program=0.15,add=0.15"  # the shipped default-td's
 
 
 def _add_distill(sub):
@@ -201,8 +205,12 @@ def _add_distill(sub):
   p.add_argument("--warmup-steps", type=int, default=40)
   p.add_argument("--mdm-weight", type=float, default=0.5)
   p.add_argument("--cf-weight", type=float, default=0.25)
-  p.add_argument("--task-weights", default="split=0.4,arithmetic=0.3,program=0.15,add=0.15", metavar="TASK=W,...",
-                 help="how often each task makes a TD batch ('': in proportion to its trajectories)")
+  p.add_argument("--task-weights", default=None, metavar="TASK=W,...",
+                 help="how often each task makes a TD batch ('': in proportion to its trajectories; default: the "
+                      f"recipe's {RECIPE_TASK_WEIGHTS} for the --tasks it names, in proportion to trajectories if "
+                      "a task has no recipe weight)")
+  p.add_argument("--ckpt-every", type=_positive_int, default=50,
+                 help="save a checkpoint every N training steps (a rerun resumes from the last one)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--threshold", type=float, default=None,
                  help="the exported model's decoding threshold in its generation_config.json (default: the "
@@ -214,7 +222,12 @@ def _add_distill(sub):
 
 
 def cmd_distill(args) -> int:
-  args.task_weights = parse_task_weights(args.task_weights)
+  if args.task_weights is None:  # the recipe's weights, for whichever of its tasks were asked for
+    recipe = dict(parse_task_weights(RECIPE_TASK_WEIGHTS))
+    tasks = [t for t in args.tasks.split(",") if t]
+    args.task_weights = tuple((t, recipe[t]) for t in tasks) if all(t in recipe for t in tasks) else ()
+  else:
+    args.task_weights = parse_task_weights(args.task_weights)
   return distill.main(args)
 
 
@@ -246,7 +259,7 @@ def cmd_export(args) -> int:
   return 0
 
 
-def _add_eval(sub):
+def _add_eval(sub, model_defaults=None):
   p = sub.add_parser("eval", help="accuracy, TPF and NFE on held-out problems")
   p.add_argument("--model", default="default", help="model directory or name; several comma-separated are "
                  "compared with the same generation settings (the first model's generation_config.json)")
@@ -259,7 +272,7 @@ def _add_eval(sub):
                  help="quantise the weights on load (dinfer_jax.load(quantize=...); model/quant.py)")
   p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
   p.add_argument("--show", type=int, default=0, help="print the first N problems with answers")
-  add_generation_flags(p)  # knobs not given come from the model's generation_config.json
+  add_generation_flags(p, model_defaults)  # knobs not given come from the model's generation_config.json
   p.set_defaults(func=cmd_eval)
 
 
@@ -267,22 +280,28 @@ def cmd_eval(args) -> int:
   return evaluate.main(args)
 
 
+_GENERATING = ("eval", "collect")  # their generation flags default to the model's generation_config.json
 SUBCOMMANDS = {"train": _add_train, "export": _add_export, "eval": _add_eval, "collect": _add_collect,
                "distill": _add_distill}
 
 
-def build_parser(prog: str = "python -m train_td") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m train_td", model_defaults: dict | None = None) -> argparse.ArgumentParser:
+  """model_defaults: the --model's generation_config.json knobs, shown as eval's and collect's defaults."""
   ap = argparse.ArgumentParser(prog=prog)
   sub = ap.add_subparsers(dest="command", required=True)
-  for add in SUBCOMMANDS.values():
-    add(sub)
-  return ap
+  for name, add in SUBCOMMANDS.items():
+    add(sub, model_defaults) if name in _GENERATING else add(sub)
+  return cli_help.show_defaults(ap)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m train_td") -> int:
   """Runs the train_td CLI on `argv` (default sys.argv[1:]); returns the exit status. `prog` names the
   command in usage and error lines (e.g. "dinfer-jax train" when another CLI delegates here)."""
-  args = build_parser(prog).parse_args(argv)
+  args = build_parser(prog, help_defaults(list(argv if argv is not None else sys.argv[1:]))).parse_args(argv)
+  return run_stoppable(f"{prog} {args.command}", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> int:
   try:
     return args.func(args)
   except (ValueError, OSError, SandboxError) as e:  # bad flags, paths, configs, checkpoints: no traceback

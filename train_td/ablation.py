@@ -16,6 +16,7 @@ import json
 import pathlib
 import sys
 
+from dinfer_jax import cli_help
 import dinfer_jax
 from dinfer_jax import tasks as tasks_lib
 from dinfer_jax.cli_common import read_generation_file
@@ -25,7 +26,7 @@ VARIANTS = (("transition", 0.0, 0.0), ("transition+mdm", 0.5, 0.0), ("transition
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   ap.add_argument("--base", default="default")
   ap.add_argument("--data", required=True, help="collect directories, comma-separated")
   ap.add_argument("--work", required=True)

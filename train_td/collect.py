@@ -100,14 +100,27 @@ def _write_shard(path: pathlib.Path, records: dict[str, list], meta: dict[str, A
   os.replace(tmp, path)  # atomic: a killed collect leaves either the whole shard or none
 
 
+def _differences(saved: dict, now: dict, prefix: str = "") -> str:
+  """The keys whose values differ, nested ones dotted: "generation.threshold: saved 0.9, now 0.5"."""
+  out = []
+  for k in sorted(set(saved) | set(now), key=str):
+    a, b = saved.get(k, "(absent)"), now.get(k, "(absent)")
+    if isinstance(a, dict) and isinstance(b, dict):
+      out.append(_differences(a, b, f"{prefix}{k}."))
+    elif a != b:
+      out.append(f"{prefix}{k}: saved {a!r}, now {b!r}")
+  return "; ".join(x for x in out if x)
+
+
 def _prepare_dir(cc: CollectConfig, out: pathlib.Path) -> None:
   check_own_dir(out, (CONFIG,), "collect directory")
   out.mkdir(parents=True, exist_ok=True)
   f = out / CONFIG
   if f.exists():
-    saved = json.loads(f.read_text())
-    if saved != cc.to_json():
-      raise ValueError(f"{f} was written with other settings ({saved}); collect into a new directory")
+    saved, now = json.loads(f.read_text()), cc.to_json()
+    if saved != now:
+      raise ValueError(f"{f} was written with other settings: {_differences(saved, now)}; collect into a new "
+                       "directory (or give the saved settings)")
     return
   tmp = f.with_name(f".{CONFIG}.tmp{os.getpid()}")
   tmp.write_text(json.dumps(cc.to_json(), indent=2, sort_keys=True) + "\n")

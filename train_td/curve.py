@@ -13,6 +13,7 @@ import datetime
 import json
 import sys
 
+from dinfer_jax import cli_help
 import dinfer_jax
 from dinfer_jax.cli_common import model_generation_defaults
 from dinfer_jax.engine.config import GenerationConfig
@@ -96,7 +97,7 @@ def plot(rows, path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   ap.add_argument("--model", default="default", help="model, or several comma-separated (e.g. default,default-td: "
                   "base and TD on one plot per task, all decoded with the first model's generation settings)")
   ap.add_argument("--task", default="arithmetic,program", help="comma-separated task names")

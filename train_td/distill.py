@@ -80,7 +80,7 @@ def main(args) -> int:
   ts = time.time()
   run = work / "run"
   out = td_train.train(tdc, run, progress=not args.no_progress, steps=args.steps, batch_size=args.batch_size,
-                       lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, ckpt_every=max(1, args.steps // 6),
+                       lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, ckpt_every=args.ckpt_every,
                        log_every=10)
   stages["train"] = {"step": out["step"], "seconds": round(time.time() - ts, 1)}
   stages["export"] = export.export_run(run, args.out, generation_config=gen or None, overwrite=overwrite)

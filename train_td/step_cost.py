@@ -18,6 +18,7 @@ import time
 import jax
 import numpy as np
 
+from dinfer_jax import cli_help
 from train_td import data as data_lib, trainer
 
 
@@ -40,7 +41,7 @@ def measure(tc, rounds: int = 6) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   ap.add_argument("--mix", required=True, help="e.g. arithmetic=0.58,program=0.32,sort=0.10")
   ap.add_argument("--batch-size", type=int, default=128)
   ap.add_argument("--max-position", type=int, default=64)

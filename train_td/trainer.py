@@ -356,8 +356,12 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
     else:
       later += 1
   if later:
-    warnings.warn(f"{path}: dropped {later} record(s) logged after step {step}, the checkpoint this run "
-                  "resumes from (they are logged again)")
+    if step == 0:
+      warnings.warn(f"{path}: dropped {later} record(s) of an earlier run that saved no checkpoint; this run "
+                    "starts at step 0")
+    else:
+      warnings.warn(f"{path}: dropped {later} record(s) logged after step {step}, the checkpoint this run "
+                    "resumes from (they are logged again)")
   tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
   tmp.write_text("".join(x + "\n" for x in keep))
   os.replace(tmp, path)

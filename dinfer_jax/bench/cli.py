@@ -52,7 +52,7 @@ def register(subparsers, model_defaults=None) -> None:
                  help=f"comma list of {', '.join(throughput.VARIANTS)}")
   b.add_argument("--overhead-k", type=int, default=4, help="tokens per forward of the overhead probe (fixed_steps)")
   b.add_argument("--overhead-gen-length", type=int, default=0,
-                 help="gen_length of the overhead probe (default: the config's); the probe never stops early")
+                 help="gen_length of the overhead probe (default %(default)s: the config's); the probe never stops early")
   b.add_argument("--json", dest="json_out", default=None, help="write the results as one JSON object here")
   b.add_argument("--no-progress", action="store_true")
   srv = b.add_argument_group("server load test (--server): requests to a running dinfer-jax serve")

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from dinfer_jax import cli_help
 from dinfer_jax.bench import presets, realistic, roofline
 from dinfer_jax.bench.throughput import _best_time, forward_programs
 from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
@@ -430,7 +431,7 @@ def _f(x, nd: int = 2) -> str:
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.json and gpu_check.md")
   ap.add_argument("--tiny", action="store_true", help="the tiny preset, fp32, any device (the CPU rehearsal)")
   ap.add_argument("--batches", default="1,8", help="1 and/or 8 (batch 8 runs last)")

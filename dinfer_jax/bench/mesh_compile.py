@@ -35,6 +35,7 @@ from jax._src.lib import _jax
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dinfer_jax import cli_help
 from dinfer_jax import hardware, sharding
 from dinfer_jax.bench.roofline import target_config
 from dinfer_jax.cache import KVCache
@@ -219,7 +220,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   ap.add_argument("--layouts", nargs="+", default=["tensor=8", "tensor=4,expert=2", "expert=8"])
   ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
   ap.add_argument("--moe-impl", default="dense", choices=["dense", "ragged"])

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dinfer_jax import cli_help
 from dinfer_jax.model import moe
 
 
@@ -26,7 +27,7 @@ def _time(fn, *args, reps=5):
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   ap.add_argument("--d", type=int, default=512)
   ap.add_argument("--f", type=int, default=256)
   ap.add_argument("--e", type=int, default=64)

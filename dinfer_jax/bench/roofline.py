@@ -43,6 +43,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxlib import _hlo
 
+from dinfer_jax import cli_help
 from dinfer_jax import hardware
 from dinfer_jax.bench import presets, realistic
 from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward
@@ -713,7 +714,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   ap.add_argument("--preset", default="llada_moe_7b_a1b", choices=sorted(presets.PRESETS))
   ap.add_argument("--chips", default="h200", help=f"comma list of {', '.join(CHIPS)}")
   ap.add_argument("--batches", default="1,8")

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from dinfer_jax import cli_help
 import dinfer_jax
 from dinfer_jax import cli_common
 from dinfer_jax.bench import cli as bench_cli, throughput
@@ -94,7 +95,7 @@ def plot(res: dict[str, Any], path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   cli_common.add_model_flags(ap)
   ap.add_argument("--prompts", default=None)
   ap.add_argument("--batch-size", type=int, default=1)

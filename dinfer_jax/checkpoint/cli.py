@@ -18,6 +18,7 @@ import sys
 import numpy as np
 from absl import logging as absl_logging
 
+from dinfer_jax import cli_help
 from dinfer_jax.checkpoint import CheckpointError, describe, hf2jax, inspect, jax2hf
 from dinfer_jax.checkpoint.outdir import Interrupted, remove_when_quiet
 from dinfer_jax.config import ConfigError
@@ -45,14 +46,15 @@ def _replace_unmarked(args) -> bool:
   return True
 
 
-def main(argv=None, prog: str = "python -m convert") -> int:
-  """Runs the converter CLI on `argv` (default sys.argv[1:]); returns the exit status."""
+def build_parser(prog: str = "python -m convert") -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
   sub = ap.add_subparsers(dest="cmd", required=True)
   h = sub.add_parser("hf2jax", help="HF safetensors dir -> converted (orbax) dir")
   h.add_argument("src")
   h.add_argument("dst")
-  h.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  h.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                 help="dtype of the stored weights, whatever the source's (default %(default)s, the serving dtype; "
+                      "float32 keeps a float32 checkpoint exact)")
   h.add_argument("--quantize", default=None, choices=("int8", "fp8"),
                  help="store the attention/FFN/expert weights in 8 bits with their scales (model/quant.py)")
   h.add_argument("--scales", default="channel", choices=("channel", "block"),
@@ -72,6 +74,12 @@ def main(argv=None, prog: str = "python -m convert") -> int:
   i = sub.add_parser("inspect", help="list the tensors of either format")
   i.add_argument("path")
   i.add_argument("--limit", type=int, default=0, help="print at most this many tensors (0: all)")
+  return cli_help.show_defaults(ap)
+
+
+def main(argv=None, prog: str = "python -m convert") -> int:
+  """Runs the converter CLI on `argv` (default sys.argv[1:]); returns the exit status."""
+  ap = build_parser(prog)
   args = ap.parse_args(argv)
 
   # Imports after argument parsing so `--help` is instant; absl logging quieted because orbax warns

@@ -73,11 +73,11 @@ def check_destination(dst: os.PathLike, *, sources: Sequence[os.PathLike] = (), 
     if not dst_abs.is_dir():
       raise CheckpointError(f"{dst_abs} exists and is not a directory; refusing to replace it")
     if not overwrite:
-      raise CheckpointError(f"{dst_abs} already exists (use --overwrite / overwrite=True to replace it)")
+      raise CheckpointError(f"{dst_abs} already exists (--overwrite replaces it)")
     if not (dst_abs / MARKER).is_file() and not replace_unmarked:
       raise CheckpointError(
           f"{dst_abs} was not written by dinfer-jax (no {MARKER} file); refusing to replace it. To replace it "
-          f"anyway, name it again: --overwrite-unmarked {dst} (replace_unmarked=True)")
+          f"anyway, name it again: --overwrite-unmarked {dst}")
   return dst_abs
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import subprocess
 
 from dinfer_jax import cli_common
 
@@ -28,13 +29,25 @@ def register(subparsers) -> None:
   e.set_defaults(func=cmd_lm_eval)
 
 
+def _quiet_git_hash() -> str | None:
+  try:
+    return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).decode().strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+
+
 def run(model_path: str, model_args: str, tasks: list[str], *, include_path: str | None = None,
         limit: float | None = None, num_fewshot: int | None = None, apply_chat_template: bool = False,
         confirm_run_unsafe_code: bool = False) -> dict:
   """Runs lm-eval; returns its results dict with our decoding statistics under "dinfer_jax"."""
   import lm_eval
+  import lm_eval.evaluator
   from lm_eval.tasks import TaskManager
   from lm_eval.utils import simple_parse_args_string
+
+  # lm-eval records the git commit of the working directory by running git with its stderr open: outside a
+  # checkout a user saw "fatal: not a git repository" printed in the middle of an evaluation.
+  lm_eval.evaluator.get_git_commit_hash = _quiet_git_hash
 
   from dinfer_jax.evaluation.lm_eval_model import DinferJaxLM  # the eval extra (lm-eval)
   kw = simple_parse_args_string(model_args) if model_args else {}

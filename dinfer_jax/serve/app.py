@@ -25,8 +25,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dinfer_jax.answer import cut_at_stop, settled_prefix, with_token_cap
-from dinfer_jax.cli_common import prompt_tasks, trained_tasks
+from dinfer_jax.answer import cut_at_stop, settled_prefix, shown_answer, with_token_cap
+from dinfer_jax.cli_common import chat_text, prompt_tasks, trained_tasks
 from dinfer_jax.engine.config import GenerationConfig
 from dinfer_jax.serve.batcher import Batcher, Job, QueueFull
 from dinfer_jax.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
@@ -231,7 +231,9 @@ class Service:
     msgs = [{"role": m.role, "content": unicode_text(m.content, f"messages[{i}].content")}
             for i, m in enumerate(messages)]
     try:
-      text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+      text = chat_text(self.model, msgs, "messages")
+    except ValueError as e:  # empty, a system message or history that would not reach the model
+      raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # noqa: BLE001 - the template itself refuses (e.g. roles out of order)
       raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
     return self.tok.encode(text, add_special_tokens=False)
@@ -317,18 +319,20 @@ class Service:
       return " ".join(str(i) for i in ids)
     return self.tok.decode(list(ids), skip_special_tokens=True)
 
-  def finish(self, choice, req: _Knobs) -> tuple[str, str, list[int]]:
-    """(answer text, finish_reason, its tokens): cut to the token cap, then before a stop sequence."""
+  def finish(self, choice, req: _Knobs, chat: bool) -> tuple[str, str, list[int]]:
+    """(answer text, finish_reason, its tokens): cut to the token cap, then before a stop sequence; a chat
+    answer as the CLI shows it (a completion is a continuation: its whitespace is kept)."""
     cap = token_cap(req)
     tokens = choice.tokens[:cap] if cap else choice.tokens
     text, stopped = cut_at_stop(self.decode(tokens), stop_list(req))
+    text = shown_answer(text) if chat else text
     ended = len(choice.tokens) < choice.gen_length  # the model wrote EOS
     reason = "stop" if stopped or (ended and (cap is None or len(choice.tokens) <= cap)) else "length"
     return text, reason, tokens
 
   def response(self, req: _Knobs, prompts, results, chat: bool, rid: str, created: int) -> dict[str, Any]:
     """The non-streaming response body of the prompts' results (one list of choices per prompt)."""
-    outs = [self.finish(c, req) + (c.row_nfe,) for choices in results for c in choices]
+    outs = [self.finish(c, req, chat) + (c.row_nfe,) for choices in results for c in choices]
     nfe = sum(o[3] for o in outs)
     stats = {"nfe": nfe, "tpf": (sum(len(o[2]) for o in outs) / nfe) if nfe else 0.0}
     if self.task_names is not None:  # per prompt, the trained task it falls in (null: outside them: likely wrong)
@@ -396,6 +400,7 @@ class SSEStream:
     for c, toks in enumerate(rows):
       i = k * n + c
       text = settled_prefix(self.service.decode(toks[:cap] if cap else toks), stop_list(self.req))
+      text = shown_answer(text) if self.chat else text
       if i not in self.done and len(text) > len(self.sent[i]) and text.startswith(self.sent[i]):
         out.append(self.event(i, text[len(self.sent[i]):], None))
         self.sent[i] = text
@@ -406,7 +411,7 @@ class SSEStream:
     out = []
     for c, choice in enumerate(payload):
       i = k * self.req.n + c
-      text, reason, _ = self.service.finish(choice, self.req)
+      text, reason, _ = self.service.finish(choice, self.req, self.chat)
       if len(text) > len(self.sent[i]) and text.startswith(self.sent[i]):
         out.append(self.event(i, text[len(self.sent[i]):], None))
       out.append(self.event(i, None, reason))

@@ -9,6 +9,7 @@ import functools
 import ipaddress
 import os
 import pathlib
+import socket
 import sys
 import threading
 import time
@@ -27,7 +28,7 @@ def register(subparsers, model_defaults=None) -> None:
   s = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                             description=__doc__)
   cli_common.add_model_flags(s)
-  s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+  s.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: loopback only)")
   s.add_argument("--port", type=int, default=8000)
   s.add_argument("--served-model-name", default=None,
                  help="the `model` clients must send (default: 'default' for the embedded model, else the "
@@ -170,9 +171,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not getattr(args, flag) > 0:
       raise SystemExit(f"error: --{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
   say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+  # The port first: a taken one is a one-line error before the model loads or anything else prints.
+  sock = listen_socket(args.host, args.port)
   cache_dir = cli_common.use_compile_cache(args)  # before anything compiles
   app, batcher, scfg, specs = build(args)
   batcher.start()
+  warming = []
   if specs:
     t0 = time.perf_counter()
     say(f"dinfer-jax serve: compiling {len(specs)} programs in the background "
@@ -181,14 +185,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def progress(msg):
       say(f"dinfer-jax serve: {msg}")
     warm = batcher.start_warmup(specs, progress)
+    warming.append(warm)
     threading.Thread(target=lambda: (warm.join(), say(f"dinfer-jax serve: warm-up done in "
                                                       f"{time.perf_counter() - t0:.1f}s")), daemon=True).start()
   say(f"dinfer-jax serve: model {scfg.model_name!r} on http://{args.host}:{args.port} "
       f"(max batch {args.max_batch}, {batcher.kind} batching)")
+  server = uvicorn.Server(uvicorn.Config(
+      app, log_level=args.log_level, http=with_header_timeout(args.header_timeout_s, args.body_timeout_s),
+      timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.shutdown_timeout_s))
+  how = "stopped"
   try:
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                http=with_header_timeout(args.header_timeout_s, args.body_timeout_s),
-                timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.shutdown_timeout_s)
+    server.run(sockets=[sock])
+  except (KeyboardInterrupt, cli_common.Terminated):
+    # uvicorn shut down gracefully on the signal, then raised it again for the handlers before it.
+    how = "shut down on a signal"
   finally:
     batcher.stop()
-  return 0
+  code = 0 if server.started else 1
+  say(f"dinfer-jax serve: {how}" + ("" if server.started else " before it started"))
+  if any(w.is_alive() for w in warming):
+    # The warm-up still compiles in its daemon thread: an interpreter exit would cancel it inside XLA's C++
+    # ("terminate called ... FATAL: exception not rethrown", exit 134). Leave without one.
+    sys.stdout.flush()
+    os._exit(code)
+  return code
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+  """A socket bound to host:port (uvicorn listens on it), or SystemExit with one line saying why not."""
+  # As uvicorn binds a host it is given (an IPv6 address has a colon; a name resolves as IPv4).
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+  try:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    print(f"error: cannot listen on {host}:{port}: {e.strerror or e} (--port picks another)", file=sys.stderr)
+    raise SystemExit(2) from None
+  sock.set_inheritable(True)
+  return sock

@@ -282,11 +282,45 @@ def test_serve_runs_uvicorn_with_the_deadlines(monkeypatch):
 
   from dinfer_jax.serve import cli as serve_cli
   seen = {}
-  monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+
+  class Server:  # runs nothing: what cmd_serve hands uvicorn
+    def __init__(self, config):
+      seen["config"], self.started = config, True
+
+    def run(self, sockets):
+      seen["sockets"] = sockets
+  monkeypatch.setattr(uvicorn, "Server", Server)
   p = argparse.ArgumentParser()
   serve_cli.register(p.add_subparsers())
-  args = p.parse_args(["serve", "--warmup-max-prompt-len", "0", "--shutdown-timeout-s", "7", "--body-timeout-s", "3"])
+  args = p.parse_args(["serve", "--port", "0", "--warmup-max-prompt-len", "0", "--shutdown-timeout-s", "7",
+                       "--body-timeout-s", "3"])
   assert serve_cli.cmd_serve(args) == 0
-  assert seen["timeout_graceful_shutdown"] == 7 and seen["http"].__name__ == "HeaderDeadlineProtocol"
+  assert seen["config"].timeout_graceful_shutdown == 7 and seen["config"].http.__name__ == "HeaderDeadlineProtocol"
+  assert seen["sockets"][0].getsockname()[1] > 0  # bound before the model loaded
+  seen["sockets"][0].close()
   with pytest.raises(SystemExit, match="--body-timeout-s 0.0: must be > 0"):
     serve_cli.cmd_serve(p.parse_args(["serve", "--body-timeout-s", "0"]))
+
+
+def test_chat_refuses_what_would_not_reach_the_model(default_model, default_gcfg):
+  """A system message the template drops, history to a single-question model and an empty message are each a
+  400 saying why (before: the system message vanished, two turns were answered '' with nfe 2, and empty
+  content was answered '000+')."""
+  app = create_app(default_model, DynamicBatcher(default_model, max_batch=2), Metrics(2),
+                   ServerConfig("default", default_gcfg))
+  cases = {"no place for a system message": [{"role": "system", "content": "Be terse."},
+                                             {"role": "user", "content": "1+1"}],
+           "3 turns, but the model at .* answers single questions": [
+               {"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
+               {"role": "user", "content": "2+2"}],
+           r"message 0 \(user\) is empty": [{"role": "user", "content": ""}]}
+
+  async def scenario():
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+      return [await c.post("/v1/chat/completions", json={"model": "default", "messages": m}) for m in cases.values()]
+
+  import re
+  for why, r in zip(cases, asyncio.run(scenario())):
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.json()
+    assert re.search(why, r.json()["error"]["message"]), r.json()

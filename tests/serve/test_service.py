@@ -73,17 +73,19 @@ def test_finish_cuts_at_the_cap_then_the_stop(svc, default_model):
   tok = default_model.tokenizer
   ids = tok.encode(" 627", add_special_tokens=False)
   ch = Choice(tokens=ids, gen_length=8, row_nfe=3)
-  assert svc.finish(ch, CompletionRequest(model="default", prompt="x")) == (" 627", "stop", ids)
-  text, reason, toks = svc.finish(ch, CompletionRequest(model="default", prompt="x", max_tokens=2))
+  # A completion keeps the continuation's whitespace; chat answers as the CLI prints (stripped).
+  assert svc.finish(ch, CompletionRequest(model="default", prompt="x"), False) == (" 627", "stop", ids)
+  assert svc.finish(ch, CompletionRequest(model="default", prompt="x"), True) == ("627", "stop", ids)
+  text, reason, toks = svc.finish(ch, CompletionRequest(model="default", prompt="x", max_tokens=2), False)
   assert (text, reason, toks) == (tok.decode(ids[:2]), "length", ids[:2])
-  assert svc.finish(ch, CompletionRequest(model="default", prompt="x", stop="2"))[:2] == (" 6", "stop")
+  assert svc.finish(ch, CompletionRequest(model="default", prompt="x", stop="2"), False)[:2] == (" 6", "stop")
   full = Choice(tokens=ids * 2, gen_length=len(ids) * 2, row_nfe=3)  # filled the canvas: no EOS
-  assert svc.finish(full, CompletionRequest(model="default", prompt="x"))[1] == "length"
+  assert svc.finish(full, CompletionRequest(model="default", prompt="x"), False)[1] == "length"
   assert usage(5, [(" 627", "stop", ids, 3)]) == {"prompt_tokens": 5, "completion_tokens": len(ids),
                                                     "total_tokens": 5 + len(ids)}
   body = svc.response(ChatRequest(model="default", messages=[ChatMessage(role="user", content="x")]), [[1, 2]],
                       [[ch]], True, "chatcmpl-1", 0)
-  assert body["choices"][0]["message"]["content"] == " 627" and body["dinfer"]["nfe"] == 3
+  assert body["choices"][0]["message"]["content"] == "627" and body["dinfer"]["nfe"] == 3
   assert body["usage"]["prompt_tokens"] == 2 and body["object"] == "chat.completion"
 
 
@@ -114,7 +116,7 @@ def test_sse_stream_sends_settled_text_once_then_the_reason(svc, default_model):
   assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
   texts = {i: "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"][0]["index"] == i)
            for i in (0, 1)}
-  assert texts == {0: " 627", 1: " 627"}
+  assert texts == {0: "627", 1: "627"}  # chat: the padding stripped, streamed or not
   reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
   assert reasons == ["stop", "stop"]
   # A failed job ends the stream with an error event.

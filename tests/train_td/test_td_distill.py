@@ -454,3 +454,30 @@ def test_eval_compares_models_at_the_first_models_settings(tmp_path, capsys):
     assert g["threshold"] == 0.7 and (g["gen_length"], g["block_length"]) == (
         (48, 8) if r["task"] == "sort" else (8, 8))
   assert any(line.startswith("| sort | ") for line in out)
+
+
+def test_distill_weights_and_checkpoints_follow_the_tasks(monkeypatch):
+  """`--tasks split,arithmetic` alone failed on the recipe's weights for four tasks, a flag never given; the
+  recipe's weights now apply to the tasks asked for (by trajectories if one has none), and --ckpt-every sets
+  the checkpoint interval (15 minutes of training wrote nothing)."""
+  from train_td import __main__ as td_main
+  seen = []
+  monkeypatch.setattr(td_main.distill, "main", lambda a: seen.append(a) or 0)
+  base = ["distill", "--out", "o", "--work", "w"]
+  assert td_main.main(base + ["--tasks", "split,arithmetic"]) == 0
+  assert seen[-1].task_weights == (("split", 0.4), ("arithmetic", 0.3)) and seen[-1].ckpt_every == 50
+  assert td_main.main(base + ["--tasks", "split,td-parity-test", "--ckpt-every", "7"]) == 0
+  assert seen[-1].task_weights == () and seen[-1].ckpt_every == 7
+  assert td_main.main(base + ["--tasks", "split", "--task-weights", "split=1"]) == 0
+  assert seen[-1].task_weights == (("split", 1.0),)
+
+
+def test_collect_names_the_setting_that_differs(tiny_model_dir, tmp_path):
+  """Collecting into a directory made with other settings named none of them (the whole dict was dumped)."""
+  cc = _cc(tiny_model_dir)
+  collect_lib._prepare_dir(cc, tmp_path / "d")
+  gen = dict(cc.generation, threshold=0.75)
+  other = dataclasses.replace(cc, n=12, generation=tuple(sorted(gen.items())))
+  with pytest.raises(ValueError, match=r"other settings: generation\.threshold: saved 0\.5, now 0\.75; n: saved 10, "
+                     r"now 12; collect into a new directory"):
+    collect_lib._prepare_dir(other, tmp_path / "d")

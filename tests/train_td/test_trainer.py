@@ -471,3 +471,14 @@ def test_shards_are_checked_as_they_are_read(tmp_path, over, why):
   bad = _write_shard(tmp_path / "bad", **over)
   with pytest.raises(ValueError, match=r"part-00000\.parquet: " + why):
     td_data.read_records(bad, vocab_size=64)
+
+
+def test_a_rerun_without_a_checkpoint_says_so(tmp_path):
+  """A run that logged records but saved no checkpoint was said to resume "from step 0, the checkpoint this run
+  resumes from", a checkpoint that never existed."""
+  path = tmp_path / trainer.METRICS
+  path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 8)))
+  with pytest.warns(UserWarning, match=r"dropped 7 record\(s\) of an earlier run that saved no checkpoint; this "
+                    r"run starts at step 0") as said:
+    trainer._truncate_metrics(path, 0)
+  assert not any("resumes from" in str(w.message) for w in said) and path.read_text() == ""
