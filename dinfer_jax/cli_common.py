@@ -98,6 +98,12 @@ def quantize_spec(s: str) -> str:
   return s
 
 
+QUANTIZE_HELP = ("8-bit matmul weights, quantised on load (an 8-bit checkpoint loads as stored without it). "
+                 "Recommended: int8 or fp8 (weight-only, per channel). +a8, +head and +embed are experimental: "
+                 "validated only on the embedded 2M-parameter model, not yet on a real 7B checkpoint (README, "
+                 "'8-bit weights')")
+
+
 def add_model_flags(ap: argparse.ArgumentParser, *, dtype: bool = True) -> None:
   """--model (a directory, or a shipped model's name) and --dtype, the same for every command."""
   ap.add_argument("--model", default="default",
@@ -106,7 +112,7 @@ def add_model_flags(ap: argparse.ArgumentParser, *, dtype: bool = True) -> None:
   if dtype:
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--quantize", default=None, type=quantize_spec, metavar="|".join(QUANTIZE_CHOICES[:2]) + "|...",
-                    help="8-bit matmul weights, quantised on load (an 8-bit checkpoint loads as stored without it)")
+                    help=QUANTIZE_HELP)
 
 
 def add_compile_cache_flag(ap: argparse.ArgumentParser) -> None:

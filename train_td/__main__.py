@@ -25,7 +25,7 @@ from typing import Sequence
 
 import jax
 
-from dinfer_jax.cli_common import (DTYPES, QUANTIZE_CHOICES, Command, add_generation_flags, add_model_flags,
+from dinfer_jax.cli_common import (DTYPES, QUANTIZE_CHOICES, QUANTIZE_HELP, Command, add_generation_flags, add_model_flags,
                                    help_defaults, quantize_spec, run_stoppable)
 from dinfer_jax import cli_help
 from dinfer_jax.model.params import count_params
@@ -269,7 +269,7 @@ def _add_eval(sub, model_defaults=None):
   p.add_argument("--batch", type=_positive_int, default=64, help="problems per generate call")
   p.add_argument("--dtype", default="float32", choices=DTYPES)
   p.add_argument("--quantize", default=None, type=quantize_spec, metavar="|".join(QUANTIZE_CHOICES[:2]) + "|...",
-                 help="quantise the weights on load (dinfer_jax.load(quantize=...); model/quant.py)")
+                 help="quantise the weights on load (dinfer_jax.load(quantize=...); model/quant.py). " + QUANTIZE_HELP)
   p.add_argument("--json", action="store_true", help="last line: one JSON object with the results")
   p.add_argument("--show", type=int, default=0, help="print the first N problems with answers")
   add_generation_flags(p, model_defaults)  # knobs not given come from the model's generation_config.json

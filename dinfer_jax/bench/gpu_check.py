@@ -5,28 +5,34 @@ dinfer_jax/bench/gpu_check.sh [OUT_DIR]                        # on the GPU mach
 python -m dinfer_jax.bench.gpu_check --out DIR                 # the same, with this Python
 JAX_PLATFORMS=cpu python -m dinfer_jax.bench.gpu_check --tiny --out DIR   # the CPU rehearsal (test suite)
 
-The roofline bench's exact shapes: prompt 256, gen 1024, block 64, dual cache, threshold 0.8, early stop;
-items in this order (each skipped, and listed, once the time budget is spent: the check ends in about 6
-minutes on an H200, compiles included, so a 15-minute slot has room for a rerun):
-1. environment: asserts that JAX sees a GPU (--tiny: any device); jax/jaxlib/CUDA versions, the device;
-2. per forward, batch 1: the refresh forward (whole canvas) and the cached forward (the block's window over
-   the dual cache), each compiled once and timed alone as the loop runs it (the cache donated and carried
-   from call to call), with the kernels of its compiled module (the MoE and attention implementations that
-   ran, and the kernel count);
-3. whole generate at batch 1 (threshold): wall time, forwards, forwards per second, tokens per second;
-4. the same with dInfer's TPF setting (threshold 0.8 + iteration smoothing + vicinity 16/16/4);
-5. the Python-stepped loop (a jitted forward per step, a host sync per step) on the batch-1 generation:
-   the engine's speedup over it;
-6. (GPU) item 3 with the host-driven loop (DINFER_JAX_DEVICE_LOOP=0) beside the device-driven one;
-7. --weights fp8,int8 (8-bit weights, quantised on the device): items 2 and 3 per format;
+The roofline bench's exact shapes: prompt 256, gen 1024, block 64, dual cache, threshold 0.8, early stop.
+Every item runs in a process of its own with its own time limit (3x its estimate, within the budget left): an
+XLA abort, a segfault or a hang costs that item alone, the summary names the item and how it died (signal or
+exit status, its last lines: OUT/logs/ITEM.log) and the next item starts in a fresh process. Items run safest
+first and are skipped, and listed, once the budget (330 s) cannot hold their estimate:
+1. environment: asserts that JAX sees a GPU (--tiny: any device); jax/jaxlib/CUDA versions, the device, and
+   with it the chip whose predictions the rest is compared with (hardware.CHIPS: H100 or H200);
+2. safe: the batch-1 forwards and the whole generate with XLA's attention, dense MoE GEMMs and the
+   host-driven loop (DINFER_JAX_DEVICE_LOOP=0), the kernels every jax GPU build runs;
+3. the engine's own kernels: the batch-1 forwards (the refresh forward over the whole canvas and the cached
+   forward over the block's window, each compiled once and timed alone as the loop runs it, the cache donated
+   and carried) with the Pallas grouped GEMMs and cuDNN attention, and the kernels of each compiled module;
+4. generate at batch 1 with the host-driven loop, then with the device-driven one (XLA command buffers with
+   WHILE/CONDITIONAL): wall time, forwards, forwards per second; the difference says about how many host
+   syncs per forward the device loop saves (0: its loops did not become graph conditionals);
+5. dInfer's TPF setting (threshold 0.8 + iteration smoothing + vicinity 16/16/4);
+6. the Python-stepped loop (a jitted forward per step, a host sync per step): the engine's speedup over it;
+7. --weights fp8,int8 (8-bit weights, quantised on the device): the forwards and generate per format;
 8. batch 8: the forwards and the whole generate (per weight format).
 Random weights decode about one token per forward, so the generate rows say forwards per second and the
 prediction at the measured forward counts, not the trained model's tokens per second (tps_at_3.87_tpf is
-forwards/s x 3.87 per sequence).
+forwards/s x 3.87 per sequence). --tiny rehearses all of it on CPU with the tiny preset, the same processes,
+ordering and budget, the grouped GEMMs in Pallas's interpreter.
 
 It writes gpu_check.json and gpu_check.md (measured beside predicted) into --out after every item, so a run
 cut short keeps what it measured. Predictions come from the roofline bench's committed JSON files
-(dinfer_jax/bench/predicted/*.json, the deviceless H200 compile of the same programs).
+(dinfer_jax/bench/predicted/*.json: the deviceless H200 and H100 compiles of the same programs), the rows of
+the chip the check runs on.
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ import dataclasses
 import json
 import os
 import pathlib
+import signal
+import subprocess
 import sys
 import time
 from typing import Any
@@ -44,13 +52,12 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from dinfer_jax import cli_help
+from dinfer_jax import cli_help, hardware
 from dinfer_jax.bench import presets, realistic, roofline
 from dinfer_jax.bench.throughput import _best_time, forward_programs
 from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
 from dinfer_jax.config import MOE_IMPLS, ModelConfig
-from dinfer_jax.engine import generate as gen_lib, loop
-from dinfer_jax.engine.config import GenerationConfig
+from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.stepped import JitRunner, stepped_generate
 from dinfer_jax.model import grouped_gemm, moe, params as params_lib, quant
 
@@ -117,8 +124,10 @@ def time_forwards(params, cfg, gcfg, lay, prog, reps: int) -> dict[str, dict[str
       if cached:
         state["args"][1] = res[1]  # the returned cache feeds the next call (the donated one is gone)
       return res
+    x = jax.tree_util.tree_leaves(args[0])[0]  # the forward's tokens [B, T] (or their embeddings)
+    n_tokens = x.shape[0] * x.shape[1]
     out["refresh" if kind == "full" else kind] = {"ms": 1e3 * _best_time(call, reps), "compile_s": compile_s,
-                                                  **kernels_of(compiled)}
+                                                  "moe_impl": moe.choose_impl(cfg, n_tokens), **kernels_of(compiled)}
   return out
 
 
@@ -167,15 +176,16 @@ def load_predictions(paths: list[pathlib.Path]) -> list[dict[str, Any]]:
 
 
 def predicted(preds: list[dict[str, Any]], preset: str, setting: str, batch: int,
-              weights: str = "bf16") -> dict[str, Any] | None:
-  """The roofline bench's rows for this preset, setting, batch and weight format (dual cache, first chip): per
-  forward kind its ideal and realistic ms and the step's work outside it, and the generate program's host
-  syncs and, where the bench costed them, its own iterations (loop: block entry, cached step, block body)."""
+              weights: str = "bf16", chip: str | None = None) -> dict[str, Any] | None:
+  """The roofline bench's rows for this preset, setting, batch, weight format and chip (its device name; None:
+  the first chip that has rows; rows without a chip match any), dual cache: per forward kind its ideal and
+  realistic ms and the step's work outside it, and the generate program's host syncs and, where the bench
+  costed them, its own iterations (loop: block entry, cached step, block body)."""
   for res in preds:
     if res.get("preset") != preset or res.get("setting") != setting:
       continue
     rows = [r for r in res["rows"] if r["batch"] == batch and r["cache"] == "dual"
-            and r.get("weights", "bf16") == weights]
+            and r.get("weights", "bf16") == weights and (chip is None or r.get("chip", chip) == chip)]
     if not rows:
       continue
     fwd = {r["kind"]: r for r in rows if r["kind"] != "generate"}
@@ -207,37 +217,208 @@ def predicted_generate_s(pred: dict[str, Any], n_full: int, n_cached: int, block
 
 # ----------------------------------------------------------------------------- the check
 
+@dataclasses.dataclass(frozen=True)
+class Item:
+  """One measured item, run in a process of its own.
+
+  est_s: its time on an H200 with its process's start (jax, the device, random weights), compiles included;
+  safe: XLA's attention and dense MoE GEMMs under the host-driven loop, the kernels every jax GPU build runs;
+  the others use the engine's own choices (the Pallas grouped GEMMs, cuDNN attention, the device-driven loop).
+  """
+  name: str
+  kind: str  # "environment", "forwards", "generate" or "stepped"
+  est_s: float
+  batch: int = 1
+  setting: str = "threshold"
+  weights: str = "bf16"
+  safe: bool = False
+  host_loop: bool = False
+
+  def env(self) -> dict[str, str]:
+    """The environment the item's process runs under (engine switches read when a program is traced)."""
+    out = {}
+    if self.safe or self.host_loop:
+      out["DINFER_JAX_DEVICE_LOOP"] = "0"
+    if self.safe:
+      out["DINFER_JAX_ATTENTION"] = "xla"
+    return out
+
+
+def plan(args: argparse.Namespace) -> list[Item]:
+  """The items in the order they run: the environment, then the safe items (they run on any jax GPU build),
+  then the engine's own kernels and the device-driven loop (the ones a crash is likeliest in: XLA's
+  command-buffer WHILE path, the Pallas-Triton kernels), then the 8-bit formats and batch 8."""
+  items = [Item("environment", "environment", 20)]
+  if "bf16" in args.weights:
+    items += [Item("forwards_b1_safe", "forwards", 70, safe=True),
+              Item("generate_b1_threshold_safe", "generate", 80, safe=True),
+              Item("forwards_b1", "forwards", 70),
+              Item("generate_b1_threshold_host_loop", "generate", 70, host_loop=True),
+              Item("generate_b1_threshold", "generate", 80),
+              Item("generate_b1_dinfer", "generate", 80, setting="dinfer"),
+              Item("stepped_b1_threshold", "stepped", 60)]
+  for w in args.weights:  # 8-bit weights (issue 21): quantised on the device from the random bf16 ones
+    if w != "bf16":
+      tag = quant.format_tag(w)
+      items += [Item(f"forwards_b1_{tag}", "forwards", 70, weights=w),
+                Item(f"generate_b1_threshold_{tag}", "generate", 90, weights=w)]
+  if 8 in args.batches:
+    for w in args.weights:
+      tag = "" if w == "bf16" else "_" + quant.format_tag(w)
+      items += [Item(f"forwards_b8{tag}", "forwards", 60, batch=8, weights=w),
+                Item(f"generate_b8_threshold{tag}", "generate", 90, batch=8, weights=w)]
+  return items
+
+
+def run_item(args: argparse.Namespace, item: Item) -> dict[str, Any]:
+  """Runs one item in this process (the child's side): its environment, then its measurement."""
+  # The rehearsal's crashes and hangs (tests/bench): DINFER_JAX_GPU_CHECK_FAIL=ITEM:abort,ITEM:hang.
+  hooks = set(os.environ.get("DINFER_JAX_GPU_CHECK_FAIL", "").split(","))
+  if f"{item.name}:abort" in hooks:
+    os.abort()
+  if f"{item.name}:hang" in hooks:
+    time.sleep(10 ** 6)
+  env = environment(allow_cpu=args.tiny)
+  if item.kind == "environment":
+    return {"env": env, "result": {"device": env["device"], "backend": env["backend"]}}
+  if args.compile_cache:
+    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  sh = shapes(args)
+  cfg, P = sh["cfg"], sh["P"]
+  if item.safe:
+    cfg = dataclasses.replace(cfg, moe_impl="dense")
+  elif args.tiny and item.kind == "forwards" and cfg.moe_impl == "auto":
+    # The engine's GPU kernels (model/grouped_gemm.py) through this same code path, in Pallas's interpreter.
+    cfg = dataclasses.replace(cfg, moe_impl="grouped")
+  t = time.perf_counter()
+  params = jax.block_until_ready(init_on_device(sh["cfg"], sh["dtype"]))
+  init_s = time.perf_counter() - t
+  if item.weights != "bf16":
+    qc = quant.QuantConfig.parse(item.weights)
+    params = jax.block_until_ready(jax.jit(lambda p: quant.quantize_params(p, qc))(params))
+  gcfg = sh["gcfgs"][item.setting]
+  prompts = _prompts(cfg, item.batch, P)
+  if item.kind == "forwards":
+    lay, prog = gen_lib.prepare(cfg, prompts, gcfg)
+    out = time_forwards(params, cfg, gcfg, lay, prog, args.reps)
+  elif item.kind == "generate":
+    out = time_generate(params, cfg, prompts, gcfg, args.repeats)
+  else:
+    out = time_stepped(params, cfg, prompts[0], gcfg)
+  return {"env": env, "result": dict(out, init_s=init_s)}
+
+
+def _signal_name(returncode: int) -> str:
+  try:
+    return f"signal {signal.Signals(-returncode).name}"
+  except ValueError:
+    return f"signal {-returncode}"
+
+
 @dataclasses.dataclass
 class Check:
+  """The driver: runs each item in a process of its own, within the time budget, and writes what it has after
+  every item. A crash (an XLA abort, a segfault) or a hang costs that item alone: the summary says which item
+  died and how (exit status or signal, its last lines) and the next item starts in a fresh process."""
   args: argparse.Namespace
   t0: float = dataclasses.field(default_factory=time.perf_counter)
   res: dict[str, Any] = dataclasses.field(default_factory=dict)
+  preds: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
   def elapsed(self) -> float:
     return time.perf_counter() - self.t0
 
-  def item(self, name: str, est_s: float, fn):
-    """Runs one item unless the budget cannot hold its estimate; records the result or why it was skipped."""
+  def scale(self) -> float:
+    return 0.1 if self.args.tiny else 1.0  # the tiny rehearsal's items take seconds (process start dominates)
+
+  def run(self, item: Item) -> dict[str, Any] | None:
+    est = item.est_s * self.scale()
     left = self.args.budget_s - self.elapsed()
-    if left < est_s:
-      self.res["skipped"].append(f"{name}: {left:.0f} s of budget left, needs ~{est_s:.0f} s")
+    if left < est:
+      self.res["skipped"].append(f"{item.name}: {left:.0f} s of budget left, needs ~{est:.0f} s")
       return None
+    limit = min(left, self.args.item_limit_s or max(3 * est, est + 60))
+    logs = pathlib.Path(self.args.out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path, result_path = logs / f"{item.name}.log", logs / f"{item.name}.json"
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "dinfer_jax.bench.gpu_check", *self.args.argv, "--item", item.name,
+           "--item-result", str(result_path)]
     t = time.perf_counter()
-    try:
-      out = fn()
-    except Exception as e:  # noqa: BLE001  one failed item must not lose the others' numbers
-      self.res["failed"].append(f"{name}: {type(e).__name__}: {e}")
-      print(f"[{self.elapsed():.0f}s] {name} FAILED: {type(e).__name__}: {e}", flush=True)
+    with open(log_path, "w") as log:
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env=dict(os.environ, **item.env()))
+      try:
+        rc = proc.wait(limit)
+        how = None if rc == 0 else (_signal_name(rc) if rc < 0 else f"exit status {rc}")
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its whole process group: compile workers too
+        proc.wait()
+        how = f"hung: killed after {limit:.0f} s (its limit)"
+    item_s = time.perf_counter() - t
+    if how is None and not result_path.exists():
+      how = "exited 0 without a result"
+    if how is not None:
+      tail = [ln for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()][-6:]
+      self.res["failed"].append(f"{item.name}: {how}")
+      self.res["died"][item.name] = {"how": how, "last_lines": tail, "item_s": item_s, "log": str(log_path)}
+      print(f"[{self.elapsed():.0f}s] {item.name} FAILED ({how}): {' | '.join(tail[-2:])}", flush=True)
       self.write()
       return None
-    self.res["items"][name] = dict(out, item_s=time.perf_counter() - t)
-    print(f"[{self.elapsed():.0f}s] {name}: {_short(out)}", flush=True)
+    got = json.loads(result_path.read_text())
+    self.res.setdefault("env", got["env"])
+    out = dict(got["result"], item_s=item_s, **({"safe": True} if item.safe else {}),
+               **({"host_loop": True} if item.host_loop else {}))
+    self.attach_prediction(item, out)
+    self.res["items"][item.name] = out
+    self.derive()
+    print(f"[{self.elapsed():.0f}s] {item.name}: {_short(out)}", flush=True)
     self.write()
     return out
 
-  def write(self) -> None:
-    if not self.args.out:
+  def attach_prediction(self, item: Item, out: dict[str, Any]) -> None:
+    if item.kind not in ("forwards", "generate"):
       return
+    chip = self.res.get("chip") or {}
+    pred = predicted(self.preds, self.res["shape"]["config"], item.setting, item.batch, item.weights,
+                     chip=chip.get("name"))
+    if not pred:
+      return
+    if item.kind == "forwards":
+      for kind, r in out.items():
+        if isinstance(r, dict) and kind in pred["fwd"]:
+          r["predicted_ideal_ms"] = pred["fwd"][kind]["roofline_ms"]
+          r["predicted_realistic_ms"] = pred["fwd"][kind]["realistic_ms"]
+          r["predicted_kernels"] = pred["fwd"][kind]["kernels"]
+    else:
+      blocks = -(-self.res["shape"]["gen"] // self.res["shape"]["block"])
+      sync_us = realistic.CHARGES.get(chip.get("key"), realistic.H200).sync_us
+      p = predicted_generate_s(pred, out["n_full"], out["n_cached"], blocks, sync_us=sync_us)
+      out["predicted_ideal_s"], out["predicted_realistic_s"] = p["ideal_s"], p["realistic_s"]
+
+  def derive(self) -> None:
+    """The comparisons between items: the device-driven loop against the host-driven one, the engine's own
+    kernels against the safe ones, the engine against the Python-stepped loop."""
+    it = self.res["items"]
+    dev, host, safe = (it.get(k) for k in ("generate_b1_threshold", "generate_b1_threshold_host_loop",
+                                            "generate_b1_threshold_safe"))
+    if dev and host:
+      host["device_loop_speedup"] = host["generate_s"] / dev["generate_s"]
+      # What the device loop saved per forward, in predicate reads at the chip's cost: about the host syncs
+      # per step the device-driven loop no longer pays (0 when its loops did not become graph conditionals).
+      chip = self.res.get("chip") or {}
+      sync_us = realistic.CHARGES.get(chip.get("key"), realistic.H200).sync_us
+      host["saved_syncs_per_step"] = (host["generate_s"] - dev["generate_s"]) / (1e-6 * sync_us * dev["nfe"])
+    if host and safe:
+      safe["engine_kernels_speedup"] = safe["generate_s"] / host["generate_s"]
+    st = it.get("stepped_b1_threshold")
+    if st and dev:
+      st["engine_generate_s"] = dev["generate_s"]
+      st["engine_speedup"] = st["generate_s"] / dev["generate_s"]
+      st["same_nfe"] = st["nfe"] == dev["nfe"]
+
+  def write(self) -> None:
     out = pathlib.Path(self.args.out)
     out.mkdir(parents=True, exist_ok=True)
     self.res["total_s"] = self.elapsed()
@@ -248,7 +429,7 @@ class Check:
 
 
 def _short(d: dict[str, Any]) -> str:
-  keys = ("ms", "generate_s", "nfe", "fwd_per_s", "kernels", "moe", "attention", "engine_speedup")
+  keys = ("ms", "generate_s", "nfe", "fwd_per_s", "kernels", "moe", "attention", "engine_speedup", "device")
   parts = []
   for k, v in d.items():
     if isinstance(v, dict):
@@ -270,111 +451,42 @@ def shapes(args) -> dict[str, Any]:
           "gcfgs": {s: roofline.generation_config(p, "dual", s) for s in roofline.SETTINGS}}
 
 
+def chip_of(device_kind: str) -> dict[str, str] | None:
+  """The hardware table's entry for a device kind ("NVIDIA H100 80GB HBM3"), as {key, name}; None off it."""
+  for chip in hardware.CHIPS.values():
+    if device_kind == chip.name or device_kind.startswith(chip.name):
+      return {"key": chip.key, "name": chip.name}
+  return None
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+  """The parent's side: no device is touched here (the items' processes own it)."""
   ck = Check(args)
-  ck.res.update({"items": {}, "skipped": [], "failed": [], "tiny": bool(args.tiny),
-                 "command": "python -m dinfer_jax.bench.gpu_check " + " ".join(args.argv)})
-  ck.res["env"] = environment(allow_cpu=args.tiny)
-  print(f"environment: {ck.res['env']}", flush=True)
-  if args.compile_cache:
-    jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   sh = shapes(args)
-  cfg, G, L, P = sh["cfg"], sh["G"], sh["L"], sh["P"]
-  ck.res["shape"] = {"config": sh["name"], "prompt": P, "gen": G, "block": L,
-                     "dtype": jnp.dtype(sh["dtype"]).name, "cache": "dual"}
-  t = time.perf_counter()
-  params = jax.block_until_ready(init_on_device(cfg, sh["dtype"]))
-  ck.res["init_s"] = time.perf_counter() - t
-  gcfgs = sh["gcfgs"]
-  preds = load_predictions([pathlib.Path(p) for p in args.predicted])
-  blocks = -(-G // L)
-  scale = 0.02 if args.tiny else 1.0  # budget estimates per item (s) on an H200; the tiny run is quick
-
-  formats = {"bf16": params}
-
-  def weights_of(w):
-    """The params in weight format w, quantised on the device from the bf16 ones (model/quant.py)."""
-    if w not in formats:
-      qc = quant.QuantConfig.parse(w)
-      formats[w] = jax.block_until_ready(jax.jit(lambda p: quant.quantize_params(p, qc))(params))
-    return formats[w]
-
-  def fwd_item(B, w="bf16", moe_impl=None):
-    lay, prog = gen_lib.prepare(cfg, _prompts(cfg, B, P), gcfgs["threshold"])
-    c = cfg if moe_impl is None else dataclasses.replace(cfg, moe_impl=moe_impl)
-    res = time_forwards(weights_of(w), c, gcfgs["threshold"], lay, prog, args.reps)
-    if moe_impl is not None:
-      return res
-    pred = predicted(preds, ck.res["shape"]["config"], "threshold", B, w)
-    if pred:
-      for kind, r in res.items():
-        if kind in pred["fwd"]:
-          r["predicted_ideal_ms"] = pred["fwd"][kind]["roofline_ms"]
-          r["predicted_realistic_ms"] = pred["fwd"][kind]["realistic_ms"]
-          r["predicted_kernels"] = pred["fwd"][kind]["kernels"]
-    return res
-
-  def gen_item(B, setting, w="bf16"):
-    prompts = _prompts(cfg, B, P)
-    out = time_generate(weights_of(w), cfg, prompts, gcfgs[setting], args.repeats)
-    pred = predicted(preds, ck.res["shape"]["config"], setting, B, w)
-    if pred:
-      p = predicted_generate_s(pred, out["n_full"], out["n_cached"], blocks)
-      out["predicted_ideal_s"], out["predicted_realistic_s"] = p["ideal_s"], p["realistic_s"]
-    return out
-
-  def host_loop_item():
-    """generate_b1_threshold again with the host-driven loop (DINFER_JAX_DEVICE_LOOP=0: one predicate read per
-    step instead of CUDA-graph conditional nodes): what the device loop is worth, or whether it runs at all."""
-    saved = os.environ.get("DINFER_JAX_DEVICE_LOOP")
-    os.environ["DINFER_JAX_DEVICE_LOOP"] = "0"
-    loop.run_jit.cache_clear()
-    try:
-      out = gen_item(1, "threshold")
-    finally:
-      if saved is None:
-        os.environ.pop("DINFER_JAX_DEVICE_LOOP", None)
-      else:
-        os.environ["DINFER_JAX_DEVICE_LOOP"] = saved
-      loop.run_jit.cache_clear()
-    dev = ck.res["items"].get("generate_b1_threshold")
-    if dev:
-      out["device_loop_speedup"] = out["generate_s"] / dev["generate_s"]
-    return out
-
-  def stepped_item():
-    prompt = _prompts(cfg, 1, P)[0]
-    out = time_stepped(params, cfg, prompt, gcfgs["threshold"])
-    eng = ck.res["items"].get("generate_b1_threshold")
-    if eng:
-      out["engine_generate_s"] = eng["generate_s"]
-      out["engine_speedup"] = out["generate_s"] / eng["generate_s"]
-      out["same_nfe"] = out["nfe"] == eng["nfe"]
-    return out
-
-  if "bf16" in args.weights:
-    ck.item("forwards_b1", 60 * scale, lambda: fwd_item(1))
-    ck.item("generate_b1_threshold", 90 * scale, lambda: gen_item(1, "threshold"))
-    ck.item("generate_b1_dinfer", 90 * scale, lambda: gen_item(1, "dinfer"))
-    # The MoE kernel the engine picks on GPU (model/grouped_gemm.py) against XLA's dense all-experts GEMMs,
-    # the same forwards: the kernel's first timing on a GPU decides whether it stays the default.
-    ck.item("forwards_b1_dense_moe", 60 * scale, lambda: fwd_item(1, moe_impl="dense"))
-    ck.item("stepped_b1_threshold", 45 * scale, stepped_item)
-    if ck.res["env"]["backend"] == "gpu":
-      ck.item("generate_b1_threshold_host_loop", 60 * scale, host_loop_item)
-  # 8-bit weights (issue 21): the same batch-1 forwards and generation, quantised on the device.
-  for w in args.weights:
-    if w == "bf16":
+  ck.res.update({"items": {}, "skipped": [], "failed": [], "died": {}, "tiny": bool(args.tiny),
+                 "command": "python -m dinfer_jax.bench.gpu_check " + " ".join(args.argv),
+                 "shape": {"config": sh["name"], "prompt": sh["P"], "gen": sh["G"], "block": sh["L"],
+                           "dtype": jnp.dtype(sh["dtype"]).name, "cache": "dual"}})
+  ck.preds = load_predictions([pathlib.Path(p) for p in args.predicted])
+  items = plan(args)
+  if ck.run(items[0]) is None:  # no device (or no jax): nothing else can run
+    ck.res["skipped"] += [f"{it.name}: the environment item did not complete" for it in items[1:]]
+    ck.write()
+    return ck.res
+  env = ck.res["env"]
+  ck.res["chip"] = chip_of(env["device"])
+  if ck.res["chip"] is None and env["backend"] == "gpu":
+    ck.res["failed"].append(f"predictions: {env['device']!r} is not in hardware.CHIPS ({', '.join(hardware.CHIPS)}); "
+                            "measured without predictions")
+  print(f"environment: {env}; predictions for {(ck.res['chip'] or {}).get('name', 'the first chip')}", flush=True)
+  wanted = None if args.items is None else {n.strip() for n in args.items.split(",") if n.strip()}
+  unknown = sorted((wanted or set()) - {it.name for it in items})
+  if unknown:
+    raise SystemExit(f"--items: no item {unknown}; the items: {', '.join(it.name for it in items)}")
+  for item in items[1:]:
+    if (item.host_loop and env["backend"] != "gpu" and not args.tiny) or (wanted and item.name not in wanted):
       continue
-    tag = quant.format_tag(w)
-    ck.item(f"forwards_b1_{tag}", 60 * scale, lambda w=w: fwd_item(1, w))
-    ck.item(f"generate_b1_threshold_{tag}", 90 * scale, lambda w=w: gen_item(1, "threshold", w))
-  if 8 in args.batches:
-    for w in args.weights:
-      tag = "" if w == "bf16" else "_" + quant.format_tag(w)
-      ck.item(f"forwards_b8{tag}", 45 * scale, lambda w=w: fwd_item(8, w))
-      ck.item(f"generate_b8_threshold{tag}", 90 * scale, lambda w=w: gen_item(8, "threshold", w))
+    ck.run(item)
   ck.write()
   return ck.res
 
@@ -382,7 +494,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(res: dict[str, Any]) -> str:
   env = res.get("env", {})
   sh = res.get("shape", {})
-  lines = [f"GPU check: {sh.get('config')} (prompt {sh.get('prompt')}, gen {sh.get('gen')}, block {sh.get('block')}, "
+  chip = (res.get("chip") or {}).get("name") or ("the first chip's (a rehearsal)" if env.get("backend") != "gpu"
+                                                  else "none: the device is not in hardware.CHIPS")
+  lines = [f"GPU check (predictions for {chip}): {sh.get('config')} (prompt {sh.get('prompt')}, gen {sh.get('gen')}, block {sh.get('block')}, "
            f"{sh.get('dtype')}, dual cache) on {env.get('device')} ({env.get('backend')}, {env.get('platform_version')}), "
            f"jax {env.get('jax')} / jaxlib {env.get('jaxlib')}, tokamax {'yes' if env.get('tokamax') else 'no'}; "
            f"{res.get('total_s', 0):.0f} s", ""]
@@ -411,7 +525,13 @@ def markdown(res: dict[str, Any]) -> str:
   hl = items.get("generate_b1_threshold_host_loop")
   if hl and "device_loop_speedup" in hl:
     lines.append(f"Device-driven loop (CUDA-graph conditionals) vs host-driven (DINFER_JAX_DEVICE_LOOP=0), batch 1: "
-                 f"{hl['device_loop_speedup']:.3f}x")
+                 f"{hl['device_loop_speedup']:.3f}x, about {hl['saved_syncs_per_step']:.2f} host syncs saved per "
+                 "forward (0: its loops did not become graph conditionals)")
+    lines.append("")
+  sf = items.get("generate_b1_threshold_safe")
+  if sf and "engine_kernels_speedup" in sf:
+    lines.append(f"The engine's kernels (Pallas grouped GEMM, cuDNN attention) vs the safe ones (dense MoE, XLA "
+                 f"attention), host-driven loop, batch 1: {sf['engine_kernels_speedup']:.3f}x")
     lines.append("")
   st = items.get("stepped_b1_threshold")
   if st:
@@ -419,6 +539,9 @@ def markdown(res: dict[str, Any]) -> str:
                  f"({st['fwd_per_s']:.1f} fwd/s)" + (f"; the engine is {st['engine_speedup']:.2f}x faster "
                                                      f"(same forwards: {st['same_nfe']})" if "engine_speedup" in st else ""))
     lines.append("")
+  for name, d in res.get("died", {}).items():
+    lines.append(f"{name} died ({d['how']}) after {d['item_s']:.0f} s; its last lines:")
+    lines += [f"    {ln}" for ln in d["last_lines"]]
   for key, title in (("skipped", "skipped"), ("failed", "failed")):
     if res.get(key):
       lines.append(f"{title}: " + "; ".join(res[key]))
@@ -449,21 +572,39 @@ def main(argv=None) -> int:
                   help="the MoE kernels of every item (default: the engine's choice, on GPU the project's grouped "
                        "kernels; dense for a rerun in the same slot should they fail on the box)")
   ap.add_argument("--predicted", action="append", default=None,
-                  help="roofline bench JSON(s) to compare with (default: dinfer_jax/bench/predicted/*.json)")
+                  help="roofline bench JSON(s) to compare with (default: dinfer_jax/bench/predicted/*.json; the "
+                       "rows of the chip the check runs on)")
+  ap.add_argument("--items", default=None, metavar="NAME,...",
+                  help="run only these items (and the environment), e.g. the ones a first run lost (default: all)")
+  ap.add_argument("--item-limit-s", type=float, default=None,
+                  help="kill an item's process after this long (default: 3x its estimate, at least +60 s, within "
+                       "the budget left)")
+  ap.add_argument("--item", default=None, help=argparse.SUPPRESS)  # the child's side: run this one item
+  ap.add_argument("--item-result", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
-  args.argv = argv
+  args.argv = [a for i, a in enumerate(argv) if a not in ("--item", "--item-result")
+               and (i == 0 or argv[i - 1] not in ("--item", "--item-result"))]
   try:
     args.batches = [int(b) for b in args.batches.split(",")]
   except ValueError:
     raise SystemExit(f"--batches {args.batches!r}: expected 1 and/or 8") from None
   if not set(args.batches) <= {1, 8} or 1 not in args.batches:
     raise SystemExit(f"--batches {args.batches}: expected 1 or 1,8")
+  if not args.out:
+    raise SystemExit("--out: give the folder for gpu_check.json, gpu_check.md and the items' logs")
   args.weights = [w.strip() for w in args.weights.split(",") if w.strip()]
   bad = [w for w in args.weights if w != "bf16" and not is_quantize_spec(w)]
   if bad or not args.weights:
     raise SystemExit(f"--weights {bad}: choose from bf16, {', '.join(QUANTIZE_CHOICES)}")
   if args.predicted is None:
     args.predicted = sorted(str(p) for p in PREDICTED_DIR.glob("*.json"))
+  if args.item is not None:
+    item = {it.name: it for it in plan(args)}[args.item]
+    out = run_item(args, item)
+    tmp = pathlib.Path(args.item_result + ".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(args.item_result)
+    return 0
   res = run(args)
   print(markdown(res))
   return 0 if not res["failed"] else 1

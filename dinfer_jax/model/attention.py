@@ -6,6 +6,8 @@ the plain einsum version the tests compare it with.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -41,8 +43,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) 
   Same numerics as attention_reference: fp32 scores and softmax, the value product in the activation dtype
   with fp32 accumulation; a query with every key masked gets a uniform softmax (finite mask value)."""
   # cuDNN's fused kernel takes fp16/bf16 only: fp32 models (tests of numerics, fp32 training) on a GPU use
-  # XLA's implementation instead of failing.
-  fused = moe.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+  # XLA's implementation instead of failing. DINFER_JAX_ATTENTION=xla asks for XLA's on a GPU too (the GPU
+  # check's safe items run before the fused kernels are tried), read when a program is traced.
+  fused = (moe.backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+           and os.environ.get("DINFER_JAX_ATTENTION", "auto") != "xla")
   impl = "cudnn" if fused else None
   return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl).astype(q.dtype)
 

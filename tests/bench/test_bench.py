@@ -152,8 +152,8 @@ def _write_predictions(tmp_path) -> list[str]:
 def _check_rehearsal(d: dict, batch8: bool, weights: tuple[str, ...] = ()) -> None:
   assert d["env"]["backend"] == "cpu" and not d["skipped"] and not d["failed"]
   items = d["items"]
-  expect = {"forwards_b1", "forwards_b1_dense_moe", "generate_b1_threshold", "generate_b1_dinfer",
-            "stepped_b1_threshold"}
+  expect = {"environment", "forwards_b1_safe", "generate_b1_threshold_safe", "forwards_b1",
+            "generate_b1_threshold_host_loop", "generate_b1_threshold", "generate_b1_dinfer", "stepped_b1_threshold"}
   expect |= {f"{k}_{w}" for w in weights for k in ("forwards_b1", "generate_b1_threshold")}
   if batch8:
     expect |= {f"{k}{t}" for t in [""] + [f"_{w}" for w in weights] for k in ("forwards_b8", "generate_b8_threshold")}
@@ -163,9 +163,13 @@ def _check_rehearsal(d: dict, batch8: bool, weights: tuple[str, ...] = ()) -> No
     assert q["nfe"] == q["n_full"] + q["n_cached"] and q["n_full"] == g["n_full"]
     assert items[f"forwards_b1_{w}"]["cached"]["kernels"] > 0
   for kind in ("refresh", "cached"):
+    # The engine's own MoE kernels (the Pallas grouped GEMMs, in the interpreter on CPU) through the check's
+    # code path; the safe item runs XLA's dense GEMMs and attention.
     r = items["forwards_b1"][kind]
-    assert r["ms"] > 0 and r["kernels"] > 0 and r["moe"] == "dense" and r["attention"] == "xla"
-    assert items["forwards_b1_dense_moe"][kind]["moe"] == "dense"
+    assert r["ms"] > 0 and r["kernels"] > 0 and r["moe_impl"] == "grouped" and r["attention"] == "xla"
+    assert items["forwards_b1_safe"][kind]["moe_impl"] == "dense" and items["forwards_b1_safe"]["safe"]
+  assert items["generate_b1_threshold_safe"]["nfe"] == items["generate_b1_threshold"]["nfe"]
+  assert items["generate_b1_threshold_host_loop"]["device_loop_speedup"] > 0
   assert items["forwards_b1"]["cached"]["predicted_realistic_ms"] == 1.5
   g = items["generate_b1_threshold"]
   assert g["nfe"] == g["n_full"] + g["n_cached"] and g["n_full"] == 4  # one refresh per block
@@ -185,11 +189,14 @@ def test_gpu_check_script_rehearsal(tmp_path):
   out = tmp_path / "out"
   env = dict(os.environ, PYTHON=sys.executable, JAX_PLATFORMS="cpu", DINFER_JAX_SITE=str(tmp_path / "site"))
   script = pathlib.Path(gpu_check.__file__).with_name("gpu_check.sh")
-  p = subprocess.run([str(script), str(out), "--tiny", "--batches", "1", "--reps", "1", "--compile-cache", "",
-                      "--weights", "bf16,fp8", *_write_predictions(tmp_path)], env=env, capture_output=True,
+  # A compilation cache of its own, shared by the items' processes as on the GPU (each would compile the
+  # random init and the common programs again).
+  p = subprocess.run([str(script), str(out), "--tiny", "--batches", "1", "--reps", "1", "--compile-cache",
+                      str(tmp_path / "xla"),
+                      "--weights", "bf16", *_write_predictions(tmp_path)], env=env, capture_output=True,
                      text=True, timeout=300)
   assert p.returncode == 0, p.stderr[-2000:]
-  _check_rehearsal(json.loads((out / "gpu_check.json").read_text()), batch8=False, weights=("fp8",))
+  _check_rehearsal(json.loads((out / "gpu_check.json").read_text()), batch8=False)
   md = (out / "gpu_check.md").read_text()
   assert "| b1_dinfer |" in md and "Python-stepped loop" in md and "| 1 | cached |" in p.stdout
 
@@ -198,11 +205,43 @@ def test_gpu_check_rehearsal_on_cpu(tmp_path):
   """The Python entry in-process, batch 8 included (the script test covers batch 1); the 8-bit item in W8A8
   with the 8-bit embedding table, activations 8-bit in every forward (+a8:0)."""
   out = tmp_path / "out"
-  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--reps", "1", "--weights",
+  assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", str(tmp_path / "xla"), "--reps", "1", "--weights",
                          "bf16,int8+head+embed+a8:0", *_write_predictions(tmp_path)]) == 0
   d = json.loads((out / "gpu_check.json").read_text())
   _check_rehearsal(d, batch8=True, weights=("int8_head_embed_a8_0",))
   assert "predicted_ideal_s" not in d["items"]["generate_b8_threshold"]  # no batch-8 prediction was given
+
+
+def test_gpu_check_survives_a_crash_and_a_hang(tmp_path):
+  """Each item runs in a process of its own: an XLA-style abort in one item and a hang in another cost those
+  two alone (the summary names each and how it died, with its last lines), and the items after them run."""
+  out = tmp_path / "out"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             DINFER_JAX_GPU_CHECK_FAIL="generate_b1_threshold:abort,stepped_b1_threshold:hang")
+  p = subprocess.run([sys.executable, "-m", "dinfer_jax.bench.gpu_check", "--tiny", "--out", str(out), "--batches",
+                      "1", "--reps", "1", "--compile-cache", str(tmp_path / "xla"), "--item-limit-s", "15", "--items",
+                      "forwards_b1,generate_b1_threshold,stepped_b1_threshold,generate_b1_dinfer",
+                      *_write_predictions(tmp_path)], env=env, capture_output=True, text=True, timeout=400)
+  d = json.loads((out / "gpu_check.json").read_text())
+  assert p.returncode == 1 and set(d["died"]) == {"generate_b1_threshold", "stepped_b1_threshold"}, p.stdout[-2000:]
+  assert d["died"]["generate_b1_threshold"]["how"] == "signal SIGABRT"
+  assert d["died"]["stepped_b1_threshold"]["how"].startswith("hung: killed after 15 s")
+  assert set(d["items"]) == {"environment", "forwards_b1", "generate_b1_dinfer"}  # before and after them
+  md = (out / "gpu_check.md").read_text()
+  assert "generate_b1_threshold died (signal SIGABRT)" in md and "stepped_b1_threshold died (hung" in md
+
+
+def test_gpu_check_compares_with_the_chip_it_runs_on():
+  """H100 and H200 predictions side by side: the check reads the rows of the chip it finds."""
+  assert gpu_check.chip_of("NVIDIA H100 80GB HBM3") == {"key": "h100", "name": "NVIDIA H100 80GB HBM3"}
+  assert gpu_check.chip_of("NVIDIA H200") == {"key": "h200", "name": "NVIDIA H200"}
+  assert gpu_check.chip_of("Tesla T4") is None
+  preds = gpu_check.load_predictions(sorted(gpu_check.PREDICTED_DIR.glob("*.json")))
+  h100 = gpu_check.predicted(preds, "llada_moe_7b_a1b", "threshold", 1, chip="NVIDIA H100 80GB HBM3")
+  h200 = gpu_check.predicted(preds, "llada_moe_7b_a1b", "threshold", 1, chip="NVIDIA H200")
+  assert h100 and h200
+  # Less HBM bandwidth: each forward is predicted slower on the H100.
+  assert h100["fwd"]["cached"]["realistic_ms"] > h200["fwd"]["cached"]["realistic_ms"]
 
 
 def test_committed_predictions_cover_the_gpu_check():
@@ -234,9 +273,13 @@ def test_committed_predictions_cover_the_gpu_check():
       assert p["fwd"]["cached"]["dequantized_copy_bytes"] == 0
 
 
-def test_gpu_check_needs_a_gpu_without_tiny(monkeypatch):
-  with pytest.raises(SystemExit, match="JAX sees no GPU"):
-    gpu_check.main(["--out", "", "--compile-cache", ""])
+def test_gpu_check_needs_a_gpu_without_tiny(tmp_path):
+  """Without --tiny on a machine with no GPU the environment item says so, and nothing else runs."""
+  assert gpu_check.main(["--out", str(tmp_path), "--compile-cache", "", "--batches", "1"]) == 1
+  d = json.loads((tmp_path / "gpu_check.json").read_text())
+  assert d["items"] == {} and d["died"]["environment"]["how"] == "exit status 1"
+  assert "JAX sees no GPU" in d["died"]["environment"]["last_lines"][-1]
+  assert len(d["skipped"]) == 7 and all("environment item did not complete" in s for s in d["skipped"])
 
 
 def test_gpu_check_skips_what_the_budget_cannot_hold(tmp_path):
@@ -244,7 +287,7 @@ def test_gpu_check_skips_what_the_budget_cannot_hold(tmp_path):
   assert gpu_check.main(["--tiny", "--out", str(out), "--compile-cache", "", "--budget-s", "0.5",
                          "--batches", "1"]) == 0
   d = json.loads((out / "gpu_check.json").read_text())
-  assert d["items"] == {} and len(d["skipped"]) == 5 and "budget" in d["skipped"][0]
+  assert d["items"] == {} and len(d["skipped"]) == 8 and "budget" in d["skipped"][0]
 
 
 def test_roofline_bytes_llada_moe():
