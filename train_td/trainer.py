@@ -243,11 +243,13 @@ def init_state(tc: TrainConfig, optimizer=None):
   return params, optimizer.init(params)
 
 
-def _manager(run_dir: pathlib.Path, tc: TrainConfig):
+def _manager(run_dir: pathlib.Path, tc: TrainConfig, writer: bool = False):
+  """writer: the training run's own manager. It removes the temporary step directory a save cut short by Ctrl-C
+  or SIGTERM left; a reader (restore, eval of a running run) must not, since the writer may be in that save."""
   return ocp.CheckpointManager(
       (run_dir / CHECKPOINTS).absolute(),
       options=ocp.CheckpointManagerOptions(max_to_keep=tc.keep_checkpoints, create=True,
-                                           enable_async_checkpointing=False))
+                                           enable_async_checkpointing=False, cleanup_tmp_directories=writer))
 
 
 def _init_from_params(tc: TrainConfig) -> Any:
@@ -488,7 +490,7 @@ def train(tc: TrainConfig, run_dir: os.PathLike, *, resume: bool | None = None,
   end = tc.steps if stop_at is None else min(stop_at, tc.steps)
   base_key = jax.random.PRNGKey(tc.seed)
   schedule = make_schedule(tc)
-  mngr = _manager(run_dir, tc)
+  mngr = _manager(run_dir, tc, writer=True)
   t_start = time.time()
   last: dict[str, Any] = {}
   bar = tqdm(total=end, initial=start, disable=not progress, dynamic_ncols=True, mininterval=2.0)

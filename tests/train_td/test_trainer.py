@@ -482,3 +482,18 @@ def test_a_rerun_without_a_checkpoint_says_so(tmp_path):
                     r"run starts at step 0") as said:
     trainer._truncate_metrics(path, 0)
   assert not any("resumes from" in str(w.message) for w in said) and path.read_text() == ""
+
+
+def test_a_save_cut_short_leaves_nothing_behind_after_the_next_run(tmp_path):
+  """Ctrl-C or SIGTERM inside a save leaves orbax's temporary step directory; the next training run over the
+  directory removes it (a reader, restore, leaves it: the writer may be in that save)."""
+  tc = tiny_config(steps=3)
+  run = tmp_path / "run"
+  trainer.train(tc, run, progress=False, stop_at=2)
+  torn = run / trainer.CHECKPOINTS / "3.orbax-checkpoint-tmp-1700000000"
+  torn.mkdir()
+  (torn / "half").write_text("x")
+  trainer.restore(run, tc)
+  assert torn.exists()
+  trainer.train(tc, run, progress=False)
+  assert not torn.exists() and trainer.latest_step(run) == 3
