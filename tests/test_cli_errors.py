@@ -154,3 +154,8 @@ def test_prompt_files_and_empty_prompts(tmp_path, capsys, argv, data, wants):
   if data is not None:
     f.write_bytes(data)
   _fails([a.format(f=f) for a in argv], capsys, *[w.format(f=f) for w in wants])
+
+
+def test_text_to_a_model_without_a_tokenizer_is_a_usage_error(capsys):
+  """It exited 1 through SystemExit while every other usage error exits 2 with one line."""
+  _fails(["--model", GOLDEN_A, "hello there"], capsys, "has no tokenizer; give prompts as token ids like '12,7,99'")
