@@ -6,7 +6,7 @@ python -m dinfer_jax.bench.roofline [--preset llada_moe_7b_a1b] [--chip h200] [-
 python -m dinfer_jax.bench.roofline --preset tiny --target cpu     # no CUDA plugin needed (CI)
 
 Targets:
-- cuda (default when the CUDA plugin is installed, `pip install jax[cuda12]`): a deviceless ahead-of-time
+- cuda (default when a CUDA plugin is installed, `pip install jax[cuda12]` or `jax[cuda13]`): a deviceless ahead-of-time
   compile for the chip's GpuTargetConfig (jax.experimental.topologies), run with JAX_PLATFORMS=cpu; XLA's
   cost analysis of the GPU-optimised module, run by the CPU client;
 - cpu: the same measurement of the CPU-optimised module. Its bytes/FLOPs are the CPU compiler's, labelled
@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import importlib.util
 import json
 import os
 import pathlib
@@ -89,11 +90,10 @@ CHIPS = hardware.CHIPS
 
 
 def cuda_plugin_available() -> bool:
-  try:
-    import jax_plugins.xla_cuda12  # noqa: F401
-    return True
-  except ImportError:
-    return False
+  """Whether a CUDA plugin is installed: jax[cuda12]'s, or jax[cuda13]'s (the GPU machine's stack, jax 0.11).
+  Without one the bench compiles for the CPU, a different program: the CUDA 13 plugin was once missed here
+  and jax 0.11's rows came out dense and host-looped."""
+  return any(importlib.util.find_spec(f"jax_plugins.xla_{v}") is not None for v in ("cuda12", "cuda13"))
 
 
 # ----------------------------------------------------------------------------- compile targets
@@ -105,13 +105,15 @@ class Target:
     if kind not in ("cuda", "cpu"):
       raise ValueError(f"--target {kind!r}: choose cuda or cpu")
     self.kind, self.chip = kind, chip
-    self.sharding = None
+    self.sharding = self.mesh = None
     if kind == "cuda":
       if not cuda_plugin_available():
-        raise ValueError("--target cuda needs the CUDA plugin: pip install 'jax[cuda12]' (or use --target cpu)")
+        raise ValueError("--target cuda needs the CUDA plugin: pip install 'jax[cuda12]' or 'jax[cuda13]' (or use "
+                         "--target cpu)")
       topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(chip), topology="1x1x1")
       mesh = topologies.make_mesh(topo, (1,), ("x",))
       self.sharding = NamedSharding(mesh, PartitionSpec())
+      self.mesh = mesh
 
   @property
   def label(self) -> str:
@@ -127,7 +129,12 @@ class Target:
     return jax.tree_util.tree_map(one, tree)
 
   def compile(self, fn, *args, donate=(), options: dict | None = None):
-    with moe.target_backend(self.backend), hardware.target(self.chip.key), deviceless_tokamax(self.kind == "cuda"):
+    # jax 0.11's Pallas-Triton lowering reads the GPU it compiles for from the abstract mesh's device when the
+    # process has none ("No supported GPU devices found" otherwise; jax 0.10 did not ask): the topology's.
+    abstract = (jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh) if self.mesh is not None
+                else contextlib.nullcontext())
+    with moe.target_backend(self.backend), hardware.target(self.chip.key), deviceless_tokamax(self.kind == "cuda"), \
+        abstract:
       t = time.perf_counter()
       jf = jax.jit(fn, donate_argnums=donate if self.kind == "cuda" else (),
                    compiler_options=options or None)
