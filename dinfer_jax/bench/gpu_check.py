@@ -272,6 +272,7 @@ def plan(args: argparse.Namespace) -> list[Item]:
 
 def run_item(args: argparse.Namespace, item: Item) -> dict[str, Any]:
   """Runs one item in this process (the child's side): its environment, then its measurement."""
+  print(f"gpu_check item {item.name}: started ({item.env() or 'the engine defaults'})", flush=True)
   # The rehearsal's crashes and hangs (tests/bench): DINFER_JAX_GPU_CHECK_FAIL=ITEM:abort,ITEM:hang.
   hooks = set(os.environ.get("DINFER_JAX_GPU_CHECK_FAIL", "").split(","))
   if f"{item.name}:abort" in hooks:

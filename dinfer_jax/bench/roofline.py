@@ -93,7 +93,10 @@ def cuda_plugin_available() -> bool:
   """Whether a CUDA plugin is installed: jax[cuda12]'s, or jax[cuda13]'s (the GPU machine's stack, jax 0.11).
   Without one the bench compiles for the CPU, a different program: the CUDA 13 plugin was once missed here
   and jax 0.11's rows came out dense and host-looped."""
-  return any(importlib.util.find_spec(f"jax_plugins.xla_{v}") is not None for v in ("cuda12", "cuda13"))
+  try:
+    return any(importlib.util.find_spec(f"jax_plugins.xla_{v}") is not None for v in ("cuda12", "cuda13"))
+  except ImportError:  # no jax_plugins package at all: CPU jax alone
+    return False
 
 
 # ----------------------------------------------------------------------------- compile targets
