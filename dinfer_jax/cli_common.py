@@ -259,22 +259,23 @@ def knob_sources(args: argparse.Namespace, model_path: str | None) -> dict[str, 
   return out
 
 
-def chat_text(model, messages: Sequence[dict], where: str = "the chat") -> str:
+def chat_text(model, messages: Sequence[dict], task_names: Sequence[str] | None, where: str = "the chat") -> str:
   """A chat's text through the model's chat template, or a ValueError saying why it would not reach the model.
 
   Refused: an empty message (as an empty prompt is); a system message the template leaves out (it renders the
   same without it: the embedded model's has no place for one, and its answer ignored it without a word); more
   than one turn to a model that lists the single-question tasks it was trained on (generation_config.json
-  "trained_tasks": the embedded model answered a two-turn chat with '').
+  "trained_tasks": the embedded model answered a two-turn chat with ''). task_names: trained_tasks(model), read
+  once by the caller (the server answers many chats; this runs per request).
   """
   tok = model.tokenizer
   for i, m in enumerate(messages):
     if not str(m.get("content", "")).strip():
       raise ValueError(f"{where}: message {i} ({m.get('role')}) is empty: give the model something to answer")
   turns = [m for m in messages if m.get("role") != "system"]
-  if len(turns) > 1 and trained_tasks(model) is not None:
+  if len(turns) > 1 and task_names is not None:
     raise ValueError(f"{where}: {len(turns)} turns, but the model at {model.path} answers single questions (its "
-                     f"generation_config.json lists the tasks it was trained on: {', '.join(trained_tasks(model))}); "
+                     f"generation_config.json lists the tasks it was trained on: {', '.join(task_names)}); "
                      "send one user message")
   text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
   if len(turns) < len(messages) and text == tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True):
@@ -290,6 +291,7 @@ def encode_prompts(model, prompts: Sequence[Any], *, raw: bool = False, system: 
   Without a tokenizer the prompts must be token ids ("12,7,99" or "12 7 99")."""
   tok = model.tokenizer
   out = []
+  task_names = trained_tasks(model) if tok is not None else None
   for i, p in enumerate(prompts):
     if tok is None:
       if not isinstance(p, str):
@@ -307,7 +309,7 @@ def encode_prompts(model, prompts: Sequence[Any], *, raw: bool = False, system: 
         raise ValueError(f"prompt {i} is a chat, but the model at {model.path} has no chat template")
       msgs = p if not isinstance(p, str) else ([{"role": "system", "content": system}] if system else []) + [
           {"role": "user", "content": p}]
-      out.append(tok.encode(chat_text(model, msgs, f"prompt {i}"), add_special_tokens=False))
+      out.append(tok.encode(chat_text(model, msgs, task_names, f"prompt {i}"), add_special_tokens=False))
     if warn:
       warn_unknown_characters(model, i, p, out[-1])
   return out

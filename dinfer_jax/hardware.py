@@ -84,8 +84,15 @@ def current() -> Chip:
     return CHIPS[key]
   devices = jax.devices()
   if devices and devices[0].platform == "gpu":
-    kind = devices[0].device_kind
-    for chip in CHIPS.values():
-      if kind == chip.name or kind.startswith(chip.name):
-        return chip
+    chip = for_device_kind(devices[0].device_kind)
+    if chip is not None:
+      return chip
   return CHIPS[DEFAULT]
+
+
+def for_device_kind(kind: str) -> Chip | None:
+  """The table's chip for a device kind as jax reports it ("NVIDIA H100 80GB HBM3"); None for one not in it."""
+  for chip in CHIPS.values():
+    if kind == chip.name or kind.startswith(chip.name):
+      return chip
+  return None

@@ -25,9 +25,9 @@ from typing import Sequence
 
 import jax
 
-from dinfer_jax.cli_common import (DTYPES, QUANTIZE_CHOICES, QUANTIZE_HELP, Command, add_generation_flags, add_model_flags,
-                                   help_defaults, quantize_spec, run_stoppable)
 from dinfer_jax import cli_help
+from dinfer_jax.cli_common import (DTYPES, QUANTIZE_CHOICES, QUANTIZE_HELP, Command, add_generation_flags,
+                                   add_model_flags, help_defaults, quantize_spec, run_stoppable)
 from dinfer_jax.model.params import count_params
 from dinfer_jax.sharding import add_parallel_flags, setup_parallel
 from dinfer_jax.tasks.sandbox import SandboxError

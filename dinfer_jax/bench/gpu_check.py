@@ -394,9 +394,12 @@ class Check:
           r["predicted_kernels"] = pred["fwd"][kind]["kernels"]
     else:
       blocks = -(-self.res["shape"]["gen"] // self.res["shape"]["block"])
-      sync_us = realistic.CHARGES.get(chip.get("key"), realistic.H200).sync_us
-      p = predicted_generate_s(pred, out["n_full"], out["n_cached"], blocks, sync_us=sync_us)
+      p = predicted_generate_s(pred, out["n_full"], out["n_cached"], blocks, sync_us=self.sync_us())
       out["predicted_ideal_s"], out["predicted_realistic_s"] = p["ideal_s"], p["realistic_s"]
+
+  def sync_us(self) -> float:
+    """One host predicate read on the chip found (the H200's charge off the table, and in the rehearsal)."""
+    return realistic.CHARGES.get((self.res.get("chip") or {}).get("key"), realistic.H200).sync_us
 
   def derive(self) -> None:
     """The comparisons between items: the device-driven loop against the host-driven one, the engine's own
@@ -408,9 +411,7 @@ class Check:
       host["device_loop_speedup"] = host["generate_s"] / dev["generate_s"]
       # What the device loop saved per forward, in predicate reads at the chip's cost: about the host syncs
       # per step the device-driven loop no longer pays (0 when its loops did not become graph conditionals).
-      chip = self.res.get("chip") or {}
-      sync_us = realistic.CHARGES.get(chip.get("key"), realistic.H200).sync_us
-      host["saved_syncs_per_step"] = (host["generate_s"] - dev["generate_s"]) / (1e-6 * sync_us * dev["nfe"])
+      host["saved_syncs_per_step"] = (host["generate_s"] - dev["generate_s"]) / (1e-6 * self.sync_us() * dev["nfe"])
     if host and safe:
       safe["engine_kernels_speedup"] = safe["generate_s"] / host["generate_s"]
     st = it.get("stepped_b1_threshold")
@@ -453,11 +454,10 @@ def shapes(args) -> dict[str, Any]:
 
 
 def chip_of(device_kind: str) -> dict[str, str] | None:
-  """The hardware table's entry for a device kind ("NVIDIA H100 80GB HBM3"), as {key, name}; None off it."""
-  for chip in hardware.CHIPS.values():
-    if device_kind == chip.name or device_kind.startswith(chip.name):
-      return {"key": chip.key, "name": chip.name}
-  return None
+  """The hardware table's entry for a device kind ("NVIDIA H100 80GB HBM3"), as {key, name} for the JSON; None
+  off the table."""
+  chip = hardware.for_device_kind(device_kind)
+  return None if chip is None else {"key": chip.key, "name": chip.name}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,9 +6,9 @@ python -m dinfer_jax.bench.roofline [--preset llada_moe_7b_a1b] [--chip h200] [-
 python -m dinfer_jax.bench.roofline --preset tiny --target cpu     # no CUDA plugin needed (CI)
 
 Targets:
-- cuda (default when a CUDA plugin is installed, `pip install jax[cuda12]` or `jax[cuda13]`): a deviceless ahead-of-time
-  compile for the chip's GpuTargetConfig (jax.experimental.topologies), run with JAX_PLATFORMS=cpu; XLA's
-  cost analysis of the GPU-optimised module, run by the CPU client;
+- cuda (default when a CUDA plugin is installed, `pip install jax[cuda12]` or `jax[cuda13]`): a deviceless
+  ahead-of-time compile for the chip's GpuTargetConfig (jax.experimental.topologies), run with
+  JAX_PLATFORMS=cpu; XLA's cost analysis of the GPU-optimised module, run by the CPU client;
 - cpu: the same measurement of the CPU-optimised module. Its bytes/FLOPs are the CPU compiler's, labelled
   as such: use it to exercise the bench anywhere, not to predict GPU speed.
 
@@ -44,8 +44,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxlib import _hlo
 
-from dinfer_jax import cli_help
-from dinfer_jax import hardware
+from dinfer_jax import cli_help, hardware
 from dinfer_jax.bench import presets, realistic
 from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward
 from dinfer_jax.bench.throughput import cached_kind, forward_programs

@@ -252,8 +252,12 @@ def nonfinite_weights(params) -> list[tuple[str, int]]:
   return out
 
 
+def nonfinite_names(bad: list[tuple[str, int]]) -> str:
+  """nonfinite_weights' findings named: the first three leaves with their counts, then how many more."""
+  more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+  return ", ".join(f"{p} ({n} values)" for p, n in bad[:3]) + more
+
+
 def describe_nonfinite(bad: list[tuple[str, int]]) -> str:
   """The one-line refusal for nonfinite_weights' findings."""
-  names = ", ".join(f"{p} ({n} values)" for p, n in bad[:3])
-  more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-  return f"has NaN/inf weights in {names}{more}: its logits would be NaN; the checkpoint is broken"
+  return f"has NaN/inf weights in {nonfinite_names(bad)}: its logits would be NaN; the checkpoint is broken"

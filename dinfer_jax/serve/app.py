@@ -231,7 +231,7 @@ class Service:
     msgs = [{"role": m.role, "content": unicode_text(m.content, f"messages[{i}].content")}
             for i, m in enumerate(messages)]
     try:
-      text = chat_text(self.model, msgs, "messages")
+      text = chat_text(self.model, msgs, self.task_names, "messages")
     except ValueError as e:  # empty, a system message or history that would not reach the model
       raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # noqa: BLE001 - the template itself refuses (e.g. roles out of order)

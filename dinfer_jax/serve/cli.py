@@ -176,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
   cache_dir = cli_common.use_compile_cache(args)  # before anything compiles
   app, batcher, scfg, specs = build(args)
   batcher.start()
-  warming = []
+  warm = None
   if specs:
     t0 = time.perf_counter()
     say(f"dinfer-jax serve: compiling {len(specs)} programs in the background "
@@ -185,10 +185,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def progress(msg):
       say(f"dinfer-jax serve: {msg}")
     warm = batcher.start_warmup(specs, progress)
-    warming.append(warm)
     threading.Thread(target=lambda: (warm.join(), say(f"dinfer-jax serve: warm-up done in "
                                                       f"{time.perf_counter() - t0:.1f}s")), daemon=True).start()
-  say(f"dinfer-jax serve: model {scfg.model_name!r} on http://{args.host}:{args.port} "
+  say(f"dinfer-jax serve: model {scfg.model_name!r} on http://{args.host}:{sock.getsockname()[1]} "
       f"(max batch {args.max_batch}, {batcher.kind} batching)")
   server = uvicorn.Server(uvicorn.Config(
       app, log_level=args.log_level, http=with_header_timeout(args.header_timeout_s, args.body_timeout_s),
@@ -203,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     batcher.stop()
   code = 0 if server.started else 1
   say(f"dinfer-jax serve: {how}" + ("" if server.started else " before it started"))
-  if any(w.is_alive() for w in warming):
+  if warm is not None and warm.is_alive():
     # The warm-up still compiles in its daemon thread: an interpreter exit would cancel it inside XLA's C++
     # ("terminate called ... FATAL: exception not rethrown", exit 134). Leave without one.
     sys.stdout.flush()
@@ -222,5 +221,4 @@ def listen_socket(host: str, port: int) -> socket.socket:
     sock.close()
     print(f"error: cannot listen on {host}:{port}: {e.strerror or e} (--port picks another)", file=sys.stderr)
     raise SystemExit(2) from None
-  sock.set_inheritable(True)
   return sock
