@@ -2,7 +2,10 @@
 
 The ideal roofline (bench.roofline) divides a forward's bytes and FLOPs by the chip's spec peaks. A real H200
 also charges (docs/design.md, "GPU charges", and hardware.py for the rates):
-- achievable peaks: about 4.3 TB/s for a device-to-device copy and 790 TFLOP/s for a large bf16 GEMM;
+- achievable peaks: about 4.3 TB/s for a device-to-device copy and 790 TFLOP/s for a large bf16 GEMM, and
+  each kernel reaches its class's fraction of them (Efficiency: XLA's fusions, GEMMs, the grouped GEMMs,
+  cuDNN attention). Each kernel is charged max(bytes / bandwidth, FLOPs / rate) and the kernels are summed
+  (kernel_costs): a program's memory-bound and compute-bound kernels do not hide each other;
 - a floor per kernel: XLA runs a module as a sequence of kernels (fusions, custom calls, copies). Each costs
   its launch and ramp/tail, 2-3 us on its own, less inside a CUDA graph (XLA captures runs of at least
   `xla_gpu_graph_min_graph_size` = 5 consecutive kernels into one graph; copies and control flow break a
@@ -11,6 +14,8 @@ also charges (docs/design.md, "GPU charges", and hardware.py for the rates):
 - host syncs: a `while` with no known trip count and every `conditional` are driven from the host. Each
   iteration copies the predicate (or branch index) to the host and waits for the device to drain: about
   10-20 us per read;
+- routing skew: experts get uneven rows (a lognormal popularity, ROUTER_SKEW); a group with more row tiles
+  than blocks walking it reads its weights again per pass (grouped_gemm.expected_tiles);
 - the grouped GEMM's tiles: tokamax's Pallas-Triton ragged_dot tiles each expert's rows from the group's own
   start (ceil(rows / tile) row tiles per expert: at the batch-1 refresh ~160 rows per expert take 2 tiles of
   128, 1.6x the routed work) and launches ceil(M / tile) x ceil(N / tile) x G blocks, most of which find no
@@ -20,9 +25,9 @@ also charges (docs/design.md, "GPU charges", and hardware.py for the rates):
   H200's spec: 1979 vs 989 TFLOP/s dense); charged at twice the measured bf16 rate, 1580 TFLOP/s (not measured
   on the box: the GPU check's GEMM probe would tell);
 - the embedding gather: XLA's cost analysis charges a gather the whole operand (the 644 MB table for 64 rows);
-  a gather reads the rows it looks up. Likewise an in-place scatter (the cached forward's K/V write) is charged
-  its whole buffer read and written; it touches the slots it writes. A fusion parameter that is only sliced
-  is charged the slice by the analysis, but the whole parameter once a bitcast stands between them;
+  a gather reads the rows it looks up. Likewise an in-place scatter (the cached forward's K/V write) would be
+  charged its whole buffer read and written; it touches the slots it writes. A fusion parameter that is only
+  sliced is charged the slices (overcharges);
 - the generate program as it runs: each kind of iteration costed where it lives in the compiled loop
   (loop_parts, subprogram: the block entry with its refresh, one cached step, the block body's own kernels),
   not as separately compiled forwards plus the decoder's work. The loop adds work a forward alone does not
@@ -45,38 +50,89 @@ from dinfer_jax.model import grouped_gemm, moe
 
 
 @dataclasses.dataclass(frozen=True)
+class Efficiency:
+  """What fraction of the chip's achievable rates (a device-to-device copy's bandwidth, a large cuBLAS GEMM's
+  bf16 FLOP/s) each class of kernel reaches; a kernel is charged max(bytes / bandwidth, FLOPs / rate) at its
+  class's fraction (docs/design.md, "GPU charges", gives the reasons and sources). Central figures; the
+  range's ends are EFFICIENCY_SLOW and EFFICIENCY_FAST."""
+  memory_bw: float = 0.90  # XLA's loop/reduction fusions, copies, the small Pallas kernels (routing, combine)
+  gemm_bw: float = 0.85  # XLA's GEMM fusions (Triton) and cuBLAS calls
+  gemm_rate: float = 0.85
+  grouped_bw: float = 0.75  # the grouped GEMMs (Pallas-Triton: 32-wide K steps, plain loads, no TMA)
+  grouped_rate: float = 0.60
+  attention_bw: float = 0.75  # cuDNN's fused attention
+  attention_rate: float = 0.70
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if not 0 < v <= 1:
+        raise ValueError(f"Efficiency.{f.name}={v!r}: must be in (0, 1]")
+
+  def of(self, cls: str) -> tuple[float, float]:
+    """(bandwidth, rate) fractions of a kernel class: memory, gemm, grouped or attention."""
+    return {"memory": (self.memory_bw, self.gemm_rate), "gemm": (self.gemm_bw, self.gemm_rate),
+            "grouped": (self.grouped_bw, self.grouped_rate),
+            "attention": (self.attention_bw, self.attention_rate)}[cls]
+
+
+EFFICIENCY_SLOW = Efficiency(memory_bw=0.80, gemm_bw=0.75, gemm_rate=0.75, grouped_bw=0.65, grouped_rate=0.50,
+                             attention_bw=0.65, attention_rate=0.60)
+EFFICIENCY_FAST = Efficiency(memory_bw=1.0, gemm_bw=0.95, gemm_rate=0.95, grouped_bw=0.85, grouped_rate=0.70,
+                             attention_bw=0.85, attention_rate=0.80)
+# The coefficient of variation of expert popularity (model/grouped_gemm.popularity) of the embedded default
+# model's trained router, as measured: 0.60-0.84 across its 4 MoE layers, 0.75 on the mean (64 prompts of its
+# trained tasks, 8 experts, top-2: `python -m dinfer_jax.bench.router_skew`). It was trained without a
+# balancing loss; LLaDA-MoE was trained with one, so the central charge takes less (0.5, the engine's own
+# tile choice: grouped_gemm.PLAN_SKEW), this is the slow end, and a uniform router the fast end.
+ROUTER_SKEW = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
 class Charges:
-  """Per-chip costs of the realistic model (charges_for: from the hardware table). Defaults: the H200's."""
+  """Per-chip costs of the realistic model (charges_for: from the hardware table). Defaults: the H200's,
+  central."""
   hbm_bytes_per_s: float = 4.3e12
   bf16_flops: float = 790e12
   eight_bit_flops: float = 1580e12  # FP8 / int8 x 8-bit operands (2x bf16, as the spec; not measured)
   kernel_us: float = 2.5  # a kernel (or a CUDA graph) launched on its own
-  graph_kernel_us: float = 1.5  # each kernel inside a CUDA graph
+  graph_kernel_us: float = 2.25  # each kernel inside a CUDA graph (2-2.5 us: the range's ends)
   graph_min_kernels: int = 5  # XLA's xla_gpu_graph_min_graph_size
   sync_us: float = 15.0  # one device-to-host predicate read (drain + copy + relaunch)
   tile_rows: int = 0  # grouped GEMM row tile: 0 = the engine's choice per shape (moe.grouped_block_m)
   tile_cols: int = 128
   empty_wave_us: float = 1.0  # one wave of grid blocks that find no rows and exit
   resident_blocks: int = 132 * 8  # blocks in flight at once (132 SMs, 8 small blocks each)
+  skew: float = grouped_gemm.PLAN_SKEW  # the router's expert popularity spread (ROUTER_SKEW)
+  efficiency: Efficiency = Efficiency()
 
   def __post_init__(self):
     for name in ("hbm_bytes_per_s", "bf16_flops", "eight_bit_flops", "tile_cols", "resident_blocks",
                  "graph_min_kernels"):
       if getattr(self, name) <= 0:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be positive")
-    for name in ("kernel_us", "graph_kernel_us", "sync_us", "empty_wave_us", "tile_rows"):
+    for name in ("kernel_us", "graph_kernel_us", "sync_us", "empty_wave_us", "tile_rows", "skew"):
       if getattr(self, name) < 0:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be >= 0")
 
 
-def charges_for(chip: hardware.Chip, **kw) -> Charges:
-  """The realistic model's charges on a chip of the hardware table (its achievable rates and wave size)."""
+def charges_for(chip: hardware.Chip, case: str = "central", **kw) -> Charges:
+  """The realistic model's charges on a chip of the hardware table (its achievable rates and wave size):
+  the central case, or an end of the range ("slow": every charge at its pessimistic end, the measured
+  router skew; "fast": the optimistic ends, a uniform router)."""
+  ends = {"central": {},
+          "slow": dict(graph_kernel_us=2.5, skew=ROUTER_SKEW, efficiency=EFFICIENCY_SLOW),
+          "fast": dict(graph_kernel_us=2.0, skew=0.0, efficiency=EFFICIENCY_FAST)}
+  if case not in ends:
+    raise ValueError(f"charges_for: case {case!r}; choose from {', '.join(ends)}")
   return Charges(hbm_bytes_per_s=chip.copy_bytes_per_s, bf16_flops=chip.gemm_flops,
                  eight_bit_flops=chip.eight_bit_flops, empty_wave_us=1e6 * chip.empty_wave_s,
-                 resident_blocks=chip.resident_blocks, **kw)
+                 resident_blocks=chip.resident_blocks, **{**ends[case], **kw})
 
 
 CHARGES = {key: charges_for(chip) for key, chip in hardware.CHIPS.items()}
+# The range's ends per chip: (slow, fast).
+RANGES = {key: (charges_for(chip, "slow"), charges_for(chip, "fast")) for key, chip in hardware.CHIPS.items()}
 H200, H100 = CHARGES["h200"], CHARGES["h100"]
 
 # Instructions that launch nothing (views, tuples, constants) or that are control flow (counted apart).
@@ -219,44 +275,6 @@ def kernels(mod: Module, ch: Charges, comp: str | None = None, nested: bool = Tr
   return out
 
 
-def fusions_with(mod: Module, inner: str):
-  """(result type, operand text) of every fusion whose fused computation holds an `inner` instruction."""
-  for comp in mod.comps.values():
-    for _, result, op, rest in comp:
-      called = _CALLS.search(rest) if op == "fusion" else None
-      if called and inner in mod.ops_in(called.group(1)):
-        yield result, rest
-
-
-def gather_overcount(mod: Module) -> float:
-  """Bytes XLA's cost analysis charges gathers beyond what they read: a gather fusion is charged its whole
-  operand; it reads about as many bytes as it writes (the looked-up rows)."""
-  extra = 0.0
-  for result, rest in fusions_with(mod, "gather"):
-    out_bytes = nbytes(arrays(result))
-    operand = max((nbytes([a]) for a in mod.operands(rest)), default=0)
-    if operand > 4 * out_bytes:
-      extra += operand - out_bytes
-  return extra
-
-
-def scatter_overcount(mod: Module) -> float:
-  """Bytes XLA's cost analysis charges in-place scatters beyond what they touch: a scatter fusion whose result
-  has its buffer operand's shape (the K/V cache written in place) is charged the whole buffer read and
-  written; it reads its other operands (the updates, or what it computes them from) and writes at most as many
-  bytes into the buffer."""
-  extra = 0.0
-  for result, rest in fusions_with(mod, "scatter"):
-    outs = arrays(result)
-    ins = mod.operands(rest)
-    if len(outs) != 1 or outs[0] not in ins:
-      continue
-    buf = nbytes(outs)
-    others = nbytes(ins) - buf  # read either way (updates, indices, what the fusion computes them from)
-    extra += 2 * buf - min(others, buf)  # charged: buffer read + written; touched: about `others` written
-  return extra
-
-
 _SLICES = {"dynamic-slice", "slice"}
 
 
@@ -274,80 +292,89 @@ def _operand_names(rest: str) -> list[str]:
   return re.findall(r"%([\w.\-]+)", rest[:end])
 
 
-def sliced_overcount(mod: Module) -> float:
-  """Bytes XLA's cost analysis charges fusion parameters that the fusion only slices, beyond the slices.
-  The analysis charges a parameter read by a (dynamic) slice the slice, but not once a bitcast stands between
-  them (a [B*T, V] logits buffer seen as [B, T, V] and sliced to the block's rows: the decoder's reductions
-  read 64 of a refresh's 1280 rows and were charged all of them)."""
-  extra = 0.0
+def overcharges(mod: Module) -> dict[str, float]:
+  """Bytes by which a fusion's operands + results overstate what it moves, by instruction name:
+  - a gather reads the rows it looks up: its largest operand (the 644 MB embedding table for 64 rows) is
+    charged as the result;
+  - an in-place update (a scatter or dynamic-update-slice fusion whose one result is its buffer operand: the
+    K/V cache written in place) is charged the buffer read and written; it reads its other operands (the
+    updates, or what it computes them from) and writes at most as many bytes into the buffer;
+  - a parameter the fusion only slices (directly or through bitcasts: a [B*T, V] logits buffer seen as
+    [B, T, V] and sliced to the block's rows) is charged its slices."""
+  extra: dict[str, float] = {}
   for comp in list(mod.comps.values()):
-    for _, _, op, rest in comp:
+    for name, result, op, rest in comp:
       called = _CALLS.search(rest) if op == "fusion" else None
       if not called or called.group(1) not in mod.comps:
         continue
       body = mod.comps[called.group(1)]
+      inner = {iop for _, _, iop, _ in body}
+      outs, ins = arrays(result), mod.operands(rest)
+      e = 0.0
+      if "gather" in inner:
+        out_bytes = nbytes(outs)
+        operand = max((nbytes([a]) for a in ins), default=0)
+        if operand > 4 * out_bytes:
+          e += operand - out_bytes
+      if inner & {"scatter", "dynamic-update-slice"} and len(outs) == 1 and outs[0] in ins:
+        buf = nbytes(outs)
+        e += 2 * buf - min(nbytes(ins) - buf, buf)
       users: dict[str, list[tuple[str, str, str]]] = {}
-      for name, result, iop, irest in body:
+      for iname, iresult, iop, irest in body:
         for o in _operand_names(irest):
-          users.setdefault(o, []).append((name, result, iop))
-      for name, result, iop, _ in body:
+          users.setdefault(o, []).append((iname, iresult, iop))
+      for pname, presult, iop, _ in body:
         if iop != "parameter":
           continue
-        sliced, todo, through_bitcast, ok = 0, [name], False, True
+        sliced, todo, ok = 0, [pname], True
         while todo and ok:
           for uname, uresult, uop in users.get(todo.pop(), []):
             if uop == "bitcast":
-              through_bitcast = True
               todo.append(uname)
             elif uop in _SLICES:
               sliced += nbytes(arrays(uresult))
             else:
               ok = False
-        if ok and through_bitcast and sliced:
-          extra += max(nbytes(arrays(result)) - sliced, 0)
+        if ok and sliced:
+          e += max(nbytes(arrays(presult)) - sliced, 0)
+      if e:
+        extra[name] = e
   return extra
 
 
 @dataclasses.dataclass
 class GroupedGemm:
-  """tokamax ragged_dot calls: the FLOPs their tiles run beyond the routed ones and the time of the grid
-  blocks that find no rows."""
+  """The grouped GEMM calls of a module: FLOPs their tiles run beyond the routed ones, weight bytes they read
+  beyond one read of every group (re-read tiles, less the groups no row reaches: negative when idle groups
+  outweigh), and the grid blocks that find no rows."""
   calls: int = 0
   routed_flops: float = 0.0
   padded_flops: float = 0.0
   blocks: int = 0
-  working_blocks: int = 0
+  working_blocks: float = 0.0
   eight_bit_flops: float = 0.0  # padded FLOPs of the calls whose rows are 8-bit (W8A8)
-  # Weight bytes of the groups no row is routed to (idle_groups): the cost analysis charges every group's
-  # weights, the kernels read only the groups that have rows.
-  idle_weight_bytes: float = 0.0
+  weight_bytes_over: float = 0.0
 
-  def add(self, t: dict[str, float], eight_bit: bool = False, idle_bytes: float = 0.0) -> None:
-    self.idle_weight_bytes += idle_bytes
+  def add(self, c: dict[str, Any]) -> None:
+    t = c["tiles"]
     self.calls += 1
     self.routed_flops += t["routed_flops"]
     self.padded_flops += t["padded_flops"]
-    self.eight_bit_flops += t["padded_flops"] if eight_bit else 0.0
+    self.eight_bit_flops += t["padded_flops"] if c["eight_bit"] else 0.0
     self.blocks += t["blocks"]
     self.working_blocks += t["working_blocks"]
+    self.weight_bytes_over += c["weight_bytes_read"] - c["weight_bytes"]
 
   def empty_s(self, ch: Charges) -> float:
     return 1e-6 * ch.empty_wave_us * (self.blocks - self.working_blocks) / ch.resident_blocks
 
 
-def idle_groups(M: int, G: int) -> float:
-  """Expected groups that find none of M rows routed uniformly at random: G (1 - 1/G)^M. Negligible where rows
-  are many per group (LLaDA-MoE: M/G >= 8); about 94 of 256 for LLaDA2-mini's 32-token block at batch 1
-  (256 rows: a block touches about 163 experts, bench.floors)."""
-  return G * (1.0 - 1.0 / G) ** M
-
-
 def grouped_gemm_tiles(M: int, K: int, N: int, G: int, ch: Charges) -> dict[str, float]:
-  """One ragged_dot x [M, K] by w [G, K, N] with rows spread evenly over the G groups (routing at random
-  weights, and the expected load of a balanced router), at the row tile the engine picks for the shape
-  (moe.grouped_block_m) unless the charges fix one (tile_rows > 0)."""
+  """One tokamax ragged_dot x [M, K] by w [G, K, N] with rows spread over the G groups as the charges'
+  router spreads them, at the row tile the engine picks for the shape (moe.grouped_block_m) unless the
+  charges fix one (tile_rows > 0)."""
   bm = ch.tile_rows if ch.tile_rows > 0 else moe.grouped_block_m(M, K, N, G)
-  return dict(moe.grouped_tiles(M, K, N, G, bm, ch.tile_cols), block_m=bm)
+  return dict(moe.grouped_tiles(M, K, N, G, bm, ch.tile_cols, skew=ch.skew), block_m=bm)
 
 
 _OWN = re.compile(re.escape(grouped_gemm.NAME) + r"_(dot|swiglu)_bm(\d+)_m(\d+)")
@@ -366,7 +393,32 @@ def own_grouped_call(rest: str, ins, outs) -> dict[str, Any] | None:
   G, K, N = w
   g = _GRID.search(rest)
   return {"M": M, "K": K, "N": N, "G": G, "n_weights": 2 if m.group(1) == "swiglu" else 1, "block_m": bm,
-          "slots": int(g.group(1)) if g else grouped_gemm.plan(M, G).slots}
+          "slots": int(g.group(1)) if g else grouped_gemm.plan(M, G, K, N).slots}
+
+
+def grouped_call(mod: Module, result: str, rest: str, ch: Charges) -> dict[str, Any] | None:
+  """A grouped GEMM custom call (this project's kernel or tokamax's ragged_dot), costed with rows spread as
+  the charges' router spreads them: its tiles (grouped_gemm.tiles), the bytes of its [G, K, N] weight
+  operands and the bytes its tiles read of them (each row tile reads its group's weights; a group no row
+  reaches is not read), and whether its rows are 8-bit (W8A8: the 8-bit tensor cores)."""
+  if not _TRITON.search(rest):
+    return None
+  ins, outs = mod.operands(rest), arrays(result)
+  own = own_grouped_call(rest, ins, outs)
+  if own is not None:
+    G, K, N = own["G"], own["K"], own["N"]
+    t = grouped_gemm.tiles(own["M"], K, N, G, own["n_weights"], grouped_gemm.Plan(own["block_m"], own["slots"]),
+                           skew=ch.skew)
+  else:
+    if len(ins) < 2 or len(ins[0][1]) != 2 or len(ins[1][1]) != 3 or not outs or len(outs[0][1]) != 2:
+      return None
+    (M, K), (G, K2, N) = ins[0][1], ins[1][1]
+    if K != K2 or outs[0][1] != (M, N):
+      return None
+    t = grouped_gemm_tiles(M, K, N, G, ch)
+  wb = sum(_DT_BYTES[dt] * K * N for dt, shp in ins if shp == (G, K, N))
+  return {"tiles": t, "weight_bytes": G * wb, "weight_bytes_read": t["weight_tiles"] * wb,
+          "eight_bit": bool(ins) and ins[0][0] in _EIGHT_BIT}
 
 
 def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
@@ -375,51 +427,48 @@ def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
   out = GroupedGemm()
   for comp in mod.comps.values():
     for _, result, op, rest in comp:
-      if op != "custom-call" or not _TRITON.search(rest):
-        continue
-      ins = mod.operands(rest)
-      outs = arrays(result)
-      own = own_grouped_call(rest, ins, outs)
-      if own is not None:
-        t = grouped_gemm.tiles(own["M"], own["K"], own["N"], own["G"], own["n_weights"],
-                               grouped_gemm.Plan(own["block_m"], own["slots"]))
-        wb = sum(_DT_BYTES[dt] * own["K"] * own["N"] for dt, s in ins if s == (own["G"], own["K"], own["N"]))
-        out.add(t, eight_bit=bool(ins) and ins[0][0] in _EIGHT_BIT, idle_bytes=idle_groups(own["M"], own["G"]) * wb)
-        continue
-      if len(ins) < 2 or len(ins[0][1]) != 2 or len(ins[1][1]) != 3 or not outs or len(outs[0][1]) != 2:
-        continue
-      (M, K), (G, K2, N) = ins[0][1], ins[1][1]
-      if K != K2 or outs[0][1] != (M, N):
-        continue
-      out.add(grouped_gemm_tiles(M, K, N, G, ch), idle_bytes=idle_groups(M, G) * _DT_BYTES[ins[1][0]] * K * N)
+      c = grouped_call(mod, result, rest, ch) if op == "custom-call" else None
+      if c is not None:
+        out.add(c)
   return out
 
 
 _EIGHT_BIT = ("s8", "u8", "f8e4m3fn", "f8e5m2")
-
-
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)')
+_CUBLAS_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_CUDNN = re.compile(r'custom_call_target="__cudnn\$fmha')
+
+
+def dot_flops(mod: Module, comp: str) -> tuple[float, float]:
+  """(FLOPs, of which 8-bit x 8-bit) of the dots in a computation (a GEMM fusion's body)."""
+  total = eight = 0.0
+  for _, result, iop, irest in mod.comps.get(comp, []):
+    if iop != "dot":
+      continue
+    ins = mod.operands(irest)
+    c = _CONTRACT.search(irest)
+    k = np.prod([ins[0][1][int(d)] for d in c.group(1).split(",") if d]) if (c and ins) else 1
+    f = 2.0 * float(np.prod(arrays(result)[0][1])) * float(k)
+    total += f
+    if len(ins) == 2 and all(dt in _EIGHT_BIT for dt, _ in ins):
+      eight += f
+  return total, eight
+
+
+def attention_flops(ins) -> float:
+  """A fused attention call's FLOPs from q [B, T, N, H] and k [B, S, K, H]: 4 B N T S H."""
+  if len(ins) < 2 or len(ins[0][1]) != 4:
+    return 0.0
+  (B, T, N, H), S = ins[0][1], ins[1][1][1]
+  return 4.0 * B * N * T * S * H
 
 
 def eight_bit_dot_flops(mod: Module) -> float:
   """FLOPs of the XLA GEMMs (kCustom fusions: Triton GEMMs) whose dot multiplies two 8-bit operands: the
   W8A8 products, which run on the 8-bit tensor cores."""
-  out = 0.0
-  for comp in mod.comps.values():
-    for _, _, op, rest in comp:
-      called = _CALLS.search(rest) if (op == "fusion" and "kind=kCustom" in rest) else None
-      if not called:
-        continue
-      for _, result, iop, irest in mod.comps.get(called.group(1), []):
-        if iop != "dot":
-          continue
-        ins = mod.operands(irest)
-        if len(ins) != 2 or not all(dt in _EIGHT_BIT for dt, _ in ins):
-          continue
-        c = _CONTRACT.search(irest)
-        k = np.prod([ins[0][1][int(d)] for d in c.group(1).split(",") if d]) if c else 1
-        out += 2.0 * float(np.prod(arrays(result)[0][1])) * float(k)
-  return out
+  return sum(dot_flops(mod, _CALLS.search(rest).group(1))[1] for comp in mod.comps.values()
+             for _, _, op, rest in comp if op == "fusion" and "kind=kCustom" in rest and _CALLS.search(rest))
 
 
 def dequantized_copies(mod: Module) -> float:
@@ -593,34 +642,117 @@ def loop_parts(mod: Module) -> LoopParts | None:
   return LoopParts(block=block, entry=entry, step=step, step_fixed=fixed)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelCost:
+  """One kernel launch as charged: its class (memory, gemm, grouped, attention), the bytes it moves and the
+  FLOPs it runs (of which 8-bit x 8-bit), times: how often one execution launches it (a loop's known trip
+  count)."""
+  name: str
+  cls: str
+  bytes: float
+  flops: float
+  eight_bit_flops: float
+  times: int = 1
+
+  def seconds(self, ch: Charges) -> float:
+    """max(bytes / bandwidth, FLOPs / rate) at the kernel class's fractions of the chip's achievable rates."""
+    bw, rate = ch.efficiency.of(self.cls)
+    compute = ((self.flops - self.eight_bit_flops) / (ch.bf16_flops * rate)
+               + self.eight_bit_flops / (ch.eight_bit_flops * rate))
+    return max(self.bytes / (ch.hbm_bytes_per_s * bw), compute)
+
+
+def kernel_costs(mod: Module, ch: Charges, comp: str | None = None, nested: bool = True) -> list[KernelCost]:
+  """Every kernel one execution of `comp` (default: the entry) launches, with its bytes (operands + results,
+  less overcharges) and FLOPs (GEMM dots, attention, the grouped GEMMs' tiles; the elementwise work of a
+  fusion is not charged: such kernels are bound by their bytes). Loops with a known trip count count their
+  body that many times, a loop without one (or a conditional: every branch) once, as kernels() does."""
+  over = overcharges(mod)
+  out: list[KernelCost] = []
+
+  def walk(c: str, times: int) -> None:
+    for name, result, op, rest in mod.comps.get(c, []):
+      if op in _FREE:
+        continue
+      if op in _CONTROL:
+        if not nested:
+          continue
+        if op == "while":
+          t = _TRIP.search(rest)
+          walk(_BODY.search(rest).group(1), times * (int(t.group(1)) if t else 1))
+        elif op == "conditional":
+          for br in branches(rest):
+            walk(br, times)
+        elif (m := _TO_APPLY.search(rest)):
+          walk(m.group(1), times)
+        continue
+      ins = mod.operands(rest)
+      moved = nbytes(ins) + nbytes(arrays(result)) - over.get(name, 0.0)
+      cls, flops, eight = "memory", 0.0, 0.0
+      called = _CALLS.search(rest) if op == "fusion" else None
+      if called:
+        flops, eight = dot_flops(mod, called.group(1))
+        cls = "gemm" if flops else "memory"
+      elif op == "custom-call":
+        if _CUDNN.search(rest):
+          cls, flops = "attention", attention_flops(ins)
+        elif _CUBLAS.search(rest):
+          cls = "gemm"
+          k = _CUBLAS_CONTRACT.search(rest)
+          dims = [int(d.strip().strip('"')) for d in k.group(1).split(",") if d.strip()] if k else []
+          if ins and arrays(result):
+            kk = np.prod([ins[0][1][d] for d in dims]) if dims else ins[0][1][-1]
+            flops = 2.0 * float(np.prod(arrays(result)[0][1])) * float(kk)
+          eight = flops if len(ins) >= 2 and all(dt in _EIGHT_BIT for dt, _ in ins[:2]) else 0.0
+        elif (g := grouped_call(mod, result, rest, ch)) is not None:
+          cls, flops = "grouped", g["tiles"]["padded_flops"]
+          eight = flops if g["eight_bit"] else 0.0
+          moved += g["weight_bytes_read"] - g["weight_bytes"]
+      out.append(KernelCost(name, cls, max(moved, 0.0), flops, eight, times))
+
+  walk(comp or mod.entry, 1)
+  return out
+
+
+def charged(costs: list[KernelCost], ch: Charges) -> dict[str, Any]:
+  """Totals of kernel_costs: seconds (each kernel at its own bound, summed), bytes, FLOPs and seconds per
+  class."""
+  by_class: dict[str, float] = {}
+  for k in costs:
+    by_class[k.cls] = by_class.get(k.cls, 0.0) + k.times * k.seconds(ch)
+  return {"seconds": sum(by_class.values()), "bytes": sum(k.times * k.bytes for k in costs),
+          "flops": sum(k.times * k.flops for k in costs), "eight_bit_flops": sum(k.times * k.eight_bit_flops for k in costs),
+          "by_class_s": by_class}
+
+
 def own_time(mod: Module, comp: str, ch: Charges) -> dict[str, Any]:
   """Realistic time of a computation's own kernels, not of the loops and conditionals it runs (a block
-  body's bookkeeping between its iterations): each kernel's operands and result at the achievable bandwidth,
-  plus the kernel floors."""
-  moved = sum(nbytes(mod.operands(rest)) + nbytes(arrays(result)) for _, result, op, rest in mod.comps.get(comp, [])
-              if op not in _FREE and op not in _CONTROL)
+  body's bookkeeping between its iterations): each kernel at its own bound, plus the kernel floors."""
+  c = charged(kernel_costs(mod, ch, comp, nested=False), ch)
   k = kernels(mod, ch, comp, nested=False)
-  return {"realistic_s": moved / ch.hbm_bytes_per_s + k.overhead_s(ch), "realistic_bytes": moved,
-          "kernels": k.total}
+  return {"realistic_s": c["seconds"] + k.overhead_s(ch), "realistic_bytes": c["bytes"], "kernels": k.total}
 
 
 def forward_time(cost: dict[str, float], mod: Module, ch: Charges) -> dict[str, Any]:
-  """Realistic time of one forward (or of any straight-line program): the bytes and FLOPs at achievable
-  peaks, corrected for what the cost analysis overcharges (gathers, in-place scatters, slices behind a
-  bitcast) and for the grouped GEMM's tiles, plus the kernel floors and the empty grid blocks."""
+  """Realistic time of one forward (or of any straight-line program): each kernel charged max(bytes /
+  bandwidth, FLOPs / rate) at its class's fractions of the achievable peaks (bytes corrected for what
+  operands and results overstate: gathers, in-place updates, slices; the grouped GEMMs' weight tiles as the
+  router spreads rows), summed over kernels, plus the kernel floors and the grouped GEMMs' empty grid blocks.
+  program_bound_s: the whole program's bytes or FLOPs at the achievable peaks, whichever is longer (the
+  model before per-kernel charging: memory- and compute-bound kernels hiding each other); cost: XLA's cost
+  analysis of the module (its bytes are reported beside the charged ones)."""
   k = kernels(mod, ch)
   gg = grouped_gemms(mod, ch)
-  moved = (cost["bytes"] - gather_overcount(mod) - scatter_overcount(mod) - sliced_overcount(mod)
-           - gg.idle_weight_bytes)
-  flops = cost["flops"] + (gg.padded_flops - gg.routed_flops)
-  flops8 = min(eight_bit_dot_flops(mod) + gg.eight_bit_flops, flops)
-  body_s = max(moved / ch.hbm_bytes_per_s, (flops - flops8) / ch.bf16_flops + flops8 / ch.eight_bit_flops)
+  c = charged(kernel_costs(mod, ch), ch)
+  moved, flops, flops8 = c["bytes"], c["flops"], c["eight_bit_flops"]
+  program = max(moved / ch.hbm_bytes_per_s, (flops - flops8) / ch.bf16_flops + flops8 / ch.eight_bit_flops)
   overhead = k.overhead_s(ch)
   empty = gg.empty_s(ch)
-  return {"realistic_s": body_s + overhead + empty, "realistic_bytes": moved, "realistic_flops": flops,
-          "eight_bit_flops": flops8,
+  return {"realistic_s": c["seconds"] + overhead + empty, "realistic_bytes": moved, "realistic_flops": flops,
+          "eight_bit_flops": flops8, "program_bound_s": program,
+          "class_ms": {cls: 1e3 * v for cls, v in sorted(c["by_class_s"].items())},
           "kernels": k.total, "graphs": k.graphs, "kernels_in_graphs": k.in_graphs, "separate_launches": k.separate,
           "kernels_by_kind": dict(k.by_kind), "kernel_overhead_s": overhead, "grouped_gemm_calls": gg.calls,
           "grouped_gemm_pad_flops": gg.padded_flops - gg.routed_flops, "grouped_gemm_empty_s": empty,
-          "grouped_gemm_idle_weight_bytes": gg.idle_weight_bytes,
+          "grouped_gemm_weight_bytes_over": gg.weight_bytes_over,
           "overcount_bytes": cost["bytes"] - moved, "dequantized_copy_bytes": dequantized_copies(mod)}

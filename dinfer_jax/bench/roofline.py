@@ -176,9 +176,8 @@ def kernel_call_cost(line: str) -> dict[str, float] | None:
     return None
   outs, ins = realistic.arrays(m.group(1)), realistic.arrays(m.group(3))
   flops = 0.0
-  if m.group(2).startswith("__cudnn") and len(ins) >= 2 and len(ins[0][1]) == 4:
-    (B, T, N, H), S = ins[0][1], ins[1][1][1]
-    flops = 4.0 * B * N * T * S * H
+  if m.group(2).startswith("__cudnn"):
+    flops = realistic.attention_flops(ins)
   elif (own := realistic.own_grouped_call(line, ins, outs)) is not None:
     flops = 2.0 * own["M"] * own["K"] * own["N"] * own["n_weights"]
   elif len(ins) >= 2 and len(ins[0][1]) == 2 and len(ins[1][1]) == 3 and outs and len(outs[0][1]) == 2:
@@ -363,12 +362,16 @@ def abstract_inference_params(cfg, dtype, weights: str = "bf16"):
 
 def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dtype=jnp.bfloat16,
                  with_generate: bool = True, setting: str = "dinfer", weights: str = "bf16",
-                 charges: realistic.Charges = realistic.H200) -> list[dict[str, Any]]:
+                 charges: realistic.Charges = realistic.H200,
+                 ends: dict[str, realistic.Charges] | None = None) -> list[dict[str, Any]]:
   """One row per forward kind (refresh/full and cached) plus one for the generate program.
 
   Each forward row has the ideal figures (spec peaks, cost analysis as is) and the realistic ones
-  (bench.realistic: achievable peaks, kernel floors, the grouped GEMM's tiles, the gather at its rows) plus
-  the realistic time of the iteration's work outside the forward (decoder, smoothing: step_ms)."""
+  (bench.realistic: each kernel at its class's share of the achievable peaks, kernel floors, the grouped
+  GEMM's tiles as the router spreads rows, the gather at its rows) plus the realistic time of the
+  iteration's work outside the forward (decoder, smoothing: step_ms). ends: other charges (the range's
+  "slow" and "fast" ends), whose realistic times each row keeps under "cases" (as_case reads them)."""
+  ends = ends or {}
   preset = presets.get(preset_name)
   cfg = preset.model()
   gcfg = generation_config(preset, cache, setting)
@@ -386,7 +389,10 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   for kind, (f, args) in step_programs(cfg, gcfg, lay, prog, dtype=dtype, table=table).items():
     compiled, _ = target.compile(f, *target.abstract(args))
     text = compiled_text(compiled)
-    steps[kind] = realistic.forward_time(ModuleCost(text).total(), realistic.Module(text), charges)
+    cost, mod = ModuleCost(text).total(), realistic.Module(text)
+    steps[kind] = realistic.forward_time(cost, mod, charges)
+    for case, ch in ends.items():
+      steps[(kind, case)] = realistic.forward_time(cost, mod, ch)
   for kind, (f, args) in forward_programs(cfg, gcfg, lay, prog, abstract_dtype=dtype, cache_out=True).items():
     # A cached forward takes the cache donated and returns it, as the engine's loop carries it: its K/V
     # writes are then in place (argument 2 of f(params, inputs, cache, ...)).
@@ -397,10 +403,15 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     text = compiled_text(compiled)
     mc = ModuleCost(text)
     cost = mc.total()
-    real = realistic.forward_time(cost, realistic.Module(text), charges)
+    mod = realistic.Module(text)
+    real = realistic.forward_time(cost, mod, charges)
     # Block diffusion's prefill decodes nothing; its cross-block forward decodes the block as a cached one does.
-    step = ({"realistic_s": 0.0, "kernels": 0} if kind == "prefill"
-            else steps["cached" if kind.startswith("cached") or kind == "cross" else "refresh"])
+    step_kind = "cached" if kind.startswith("cached") or kind == "cross" else "refresh"
+    none = {"realistic_s": 0.0, "kernels": 0}
+    step = none if kind == "prefill" else steps[step_kind]
+    cases = {case: {"realistic_ms": 1e3 * realistic.forward_time(cost, mod, ch)["realistic_s"],
+                    "step_ms": 0.0 if kind == "prefill" else 1e3 * steps[(step_kind, case)]["realistic_s"]}
+             for case, ch in ends.items()}
     tokens = {"full": Tc, "prefill": grid.prefill_len, "cross": 2 * L}.get(
         kind, int(kind.split("@")[1]) if "@" in kind else W)
     kv_len = 0 if kind in ("full", "prefill") else Tc
@@ -423,7 +434,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
         "floor_ms": 1e3 * roofline_s(target.chip, routed, floor_bytes), "unknown_trip_loops": mc.unknown_trip_loops,
         "host_ops": mc.host_ops, "kernel_calls": mc.kernel_calls, "compile_s": compile_s, "setting": setting,
         "realistic_ms": 1e3 * real["realistic_s"], "step_ms": 1e3 * step["realistic_s"],
-        "step_kernels": step["kernels"], **{k: v for k, v in real.items() if k != "realistic_s"},
+        "step_kernels": step["kernels"], **{k: v for k, v in real.items() if k != "realistic_s"}, "cases": cases,
     })
   # Block diffusion is predicted from its forwards: the generate program's iteration costing (loop_costs)
   # reads the masked-diffusion loop's shape (refresh entry, cached steps).
@@ -454,8 +465,14 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
                  "device_loop": device_loop, "host_syncs_per_step": 0 if device_loop else syncs.per_step,
                  "host_syncs_per_block": 0 if device_loop else syncs.per_block,
                  "host_driven_syncs_per_step": syncs.per_step, "host_driven_syncs_per_block": syncs.per_block,
-                 "host_driven_syncs_per_step_max": syncs.per_step_max, **loop_costs(text, charges, shares)})
+                 "host_driven_syncs_per_step_max": syncs.per_step_max, **loop_costs(text, charges, shares),
+                 "cases": {case: loop_costs(text, ch, shares) for case, ch in ends.items()}})
   return rows
+
+
+def as_case(rows: list[dict[str, Any]], case: str) -> list[dict[str, Any]]:
+  """The rows with their realistic figures taken from charges `case` (a range's end kept under "cases")."""
+  return [dict(r, **r["cases"][case]) for r in rows]
 
 
 def loop_costs(text: str, charges: realistic.Charges,
@@ -608,17 +625,25 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
     for w in weights:
       for cache in caches:
         for b in batches:
+          slow, fast = realistic.RANGES[chip_name]
           new = forward_rows(target, preset_name, b, cache, with_generate=with_generate, setting=setting,
-                             weights=w, charges=realistic.CHARGES[chip_name])
+                             weights=w, charges=realistic.CHARGES[chip_name], ends={"slow": slow, "fast": fast})
           for r in new:
             if progress:
               progress(_line(r))
           chip_rows += new
     rows += chip_rows
-    predictions += [dict(p, chip=CHIPS[chip_name].name)
-                    for p in predict(chip_rows, preset_name, tpf, realistic.CHARGES[chip_name])]
+    # The range: the same prediction with every charge at its slow end, and at its fast end.
+    slow, fast = (predict(as_case(chip_rows, case), preset_name, tpf, ch)
+                  for case, ch in zip(("slow", "fast"), realistic.RANGES[chip_name]))
+    predictions += [dict(p, chip=CHIPS[chip_name].name,
+                         realistic_tps_per_seq_range=[lo["realistic_tps_per_seq"], hi["realistic_tps_per_seq"]],
+                         realistic_tps_aggregate_range=[lo["realistic_tps_aggregate"], hi["realistic_tps_aggregate"]])
+                    for p, lo, hi in zip(predict(chip_rows, preset_name, tpf, realistic.CHARGES[chip_name]), slow, fast)]
   out: dict[str, Any] = {"preset": preset_name, "target": target_kind, "label": label, "setting": setting,
                          "charges": {c: dataclasses.asdict(realistic.CHARGES[c]) for c in chips},
+                         "charge_ranges": {c: {case: dataclasses.asdict(ch) for case, ch in zip(("slow", "fast"), realistic.RANGES[c])}
+                                           for c in chips},
                          "tpf": tpf, "rows": rows, "predictions": predictions, "jax": jax.__version__,
                          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
   out.update(summary(rows, predictions, CHIPS[chips[0]].name, weights))
@@ -637,6 +662,9 @@ def summary(rows, predictions, chip: str, weights: tuple[str, ...]) -> dict[str,
   out["cached_bytes_over_floor_batch1"] = c1[0]["bytes_over_floor"] if c1 else None
   out["realistic_tps_batch1"] = p1[0]["realistic_tps_per_seq"] if p1 else None
   out["realistic_tps_batch8_aggregate"] = p8[0]["realistic_tps_aggregate"] if p8 else None
+  # [slow end, fast end] of the charges (bench.realistic.RANGES): the central figure lies between.
+  out["realistic_tps_batch1_range"] = p1[0].get("realistic_tps_per_seq_range") if p1 else None
+  out["realistic_tps_batch8_aggregate_range"] = p8[0].get("realistic_tps_aggregate_range") if p8 else None
   # The figure composed from separately compiled forwards (what realistic_tps_* were before the generate
   # program's own iterations were costed), for comparison across runs.
   out["composed_realistic_tps_batch1"] = p1[0].get("composed_realistic_tps_per_seq") if p1 else None
@@ -652,6 +680,7 @@ def summary(rows, predictions, chip: str, weights: tuple[str, ...]) -> dict[str,
     out[f"cached_bytes_{tag}_over_bf16_batch1"] = qc1[0]["bytes"] / b1[0]["bytes"] if qc1 and b1 else None
     out[f"predicted_tps_batch1_{tag}"] = q1[0]["predicted_tps_per_seq"] if q1 else None
     out[f"realistic_tps_batch1_{tag}"] = q1[0]["realistic_tps_per_seq"] if q1 else None
+    out[f"realistic_tps_batch1_{tag}_range"] = q1[0].get("realistic_tps_per_seq_range") if q1 else None
     q8 = pick(predictions, 8, w=w)
     out[f"realistic_tps_batch8_aggregate_{tag}"] = q8[0]["realistic_tps_aggregate"] if q8 else None
     out[f"dequantized_copy_bytes_{tag}"] = sum(r["dequantized_copy_bytes"] for r in rows
@@ -681,7 +710,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines.append(f"| {r['chip']} | {r['batch']} | {r['cache']} | {r.get('weights', 'bf16')} | {r['kind']} | {r['moe_impl']} | {r['flops'] / 1e12:.3f} "
                  f"| {r['routed_flops'] / 1e12:.3f} | {r['bytes'] / 1e9:.2f} | {r['floor_bytes'] / 1e9:.2f} "
                  f"| {r['bytes_over_floor']:.2f} | {r['temp_bytes'] / 1e9:.3f} | {r['roofline_ms']:.2f} | {r['floor_ms']:.2f} |")
-  lines += ["", "Realistic (achievable peaks, kernel floors, grouped GEMM tiles, gather at its rows; bench.realistic):", "",
+  lines += ["", "Realistic (each kernel at its class's share of the achievable peaks, kernel floors, grouped GEMM tiles as "
+            "the router spreads rows, gather at its rows; bench.realistic):", "",
             "| chip | batch | cache | weights | forward | kernels (in CUDA graphs / separate) | GB | TFLOP "
             "| grouped GEMM pad TFLOP | kernel floors ms | empty grid ms | realistic ms | outside the forward ms (kernels) "
             "| dequantised copies GB |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -708,14 +738,18 @@ def markdown(res: dict[str, Any]) -> str:
                    f"| {r['host_driven_syncs_per_step']} / {r['host_driven_syncs_per_block']} | {part(r, 'entry')} "
                    f"| {part(r, 'step')} | {part(r, 'block')} | {r['compile_s']:.1f} |")
   lines += ["", f"Setting {res['setting']}, TPF {res['tpf']}:", "",
-            "| chip | batch | cache | weights | ideal TPS per seq | ideal aggregate | realistic TPS per seq "
-            "| realistic aggregate | realistic from | composed per seq / aggregate | floor TPS per seq |",
+            "| chip | batch | cache | weights | ideal TPS per seq | ideal aggregate | realistic TPS per seq (range) "
+            "| realistic aggregate (range) | realistic from | composed per seq / aggregate | floor TPS per seq |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+  def rng(p, key):
+    r = p.get(f"{key}_range")
+    return f"{p[key]:.0f} ({r[0]:.0f}-{r[1]:.0f})" if r else f"{p[key]:.0f}"
   for p in res["predictions"]:
     lines.append(f"| {p['chip']} | {p['batch']} | {p['cache']} | {p.get('weights', 'bf16')} "
                  f"| {p['predicted_tps_per_seq']:.0f} "
-                 f"| {p['predicted_tps_aggregate']:.0f} | {p['realistic_tps_per_seq']:.0f} "
-                 f"| {p['realistic_tps_aggregate']:.0f} | {p.get('realistic_source', 'composed forwards')} "
+                 f"| {p['predicted_tps_aggregate']:.0f} | {rng(p, 'realistic_tps_per_seq')} "
+                 f"| {rng(p, 'realistic_tps_aggregate')} | {p.get('realistic_source', 'composed forwards')} "
                  f"| {p.get('composed_realistic_tps_per_seq', p['realistic_tps_per_seq']):.0f} / "
                  f"{p.get('composed_realistic_tps_aggregate', p['realistic_tps_aggregate']):.0f} "
                  f"| {p['floor_tps_per_seq']:.0f} |")
@@ -770,8 +804,8 @@ def main(argv=None) -> int:
   res["command"] = "python -m dinfer_jax.bench.roofline " + " ".join(argv if argv is not None else sys.argv[1:])
   print(markdown(res))
   print(f"\npredicted_tps_batch1: {res['predicted_tps_batch1']}")
-  for key in ("cached_bytes_over_floor_batch1", "realistic_tps_batch1", "realistic_tps_batch8_aggregate",
-              "composed_realistic_tps_batch1", "composed_realistic_tps_batch8_aggregate",
+  for key in ("cached_bytes_over_floor_batch1", "realistic_tps_batch1", "realistic_tps_batch1_range",
+              "realistic_tps_batch8_aggregate", "realistic_tps_batch8_aggregate_range", "composed_realistic_tps_batch1", "composed_realistic_tps_batch8_aggregate",
               "kernels_per_cached_forward_batch1", "host_syncs_per_step"):
     print(f"{key}: {res[key]}")
   tags = ["_" + quant.format_tag(w) for w in weights if w != "bf16"]

@@ -28,10 +28,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -65,26 +67,96 @@ class Plan:
       raise ValueError(f"slots must be >= 1, got {self.slots}")
 
 
-def plan(M: int, G: int) -> Plan:
-  """The tile and slots for M rows over G groups, spread evenly (a balanced router's expected load)."""
-  rows = M / G
-  if rows <= SMALL_BLOCK_M[-1]:
-    bm = next(b for b in SMALL_BLOCK_M if b >= rows)
-  else:
-    bm = min(BLOCK_M, key=lambda b: (math.ceil(rows / b) * b, -b))
-  return Plan(bm, max(1, math.ceil(rows / bm)))
+# Routing is never even: a group gets Binomial(M, p_g) rows, p_g its expert's popularity, and a group with more
+# rows than its tile is walked again, re-reading its weights (a weight-streaming kernel's whole cost). The
+# popularity is modelled as lognormal with this coefficient of variation across experts: 0 is a uniform
+# router, 0.75 the embedded default model's trained router as measured (bench/router_skew.py). Tiles are
+# chosen for a router in between (LLaDA-MoE trains with a balancing loss; the default model did not).
+PLAN_SKEW = 0.5
+_PLAN_BYTES_PER_S, _PLAN_FLOPS = 4.3e12, 790e12  # the tile choice's rates (an H200's achievable; ratios matter)
 
 
-def tiles(M: int, K: int, N: int, G: int, n_weights: int = 1, p: Plan | None = None) -> dict[str, float]:
-  """The work of one call with M rows spread evenly over G groups: routed and tile FLOPs (each group's rows
-  rounded up to block_m), grid blocks, and blocks that find rows."""
-  p = p or plan(M, G)
+def popularity(G: int, skew: float) -> np.ndarray:
+  """[G] expert probabilities: uniform at skew 0, else lognormal quantiles with coefficient of variation
+  `skew` (sigma^2 = log(1 + skew^2)), normalised."""
+  if skew <= 0:
+    return np.full(G, 1.0 / G)
+  sigma = math.sqrt(math.log1p(skew * skew))
+  z = np.array([statistics.NormalDist().inv_cdf((g + 0.5) / G) for g in range(G)])
+  p = np.exp(sigma * z)
+  return p / p.sum()
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_tiles(M: int, G: int, block_m: int, skew: float = 0.0, slots: int = 1) -> dict[str, float]:
+  """What a call whose M rows each pick group g with probability popularity(G, skew)[g] (independently: a
+  slight overestimate of the spread of top-k routing, where a token picks k distinct experts) runs, in
+  expectation: row tiles (each group's rows rounded up to block_m), groups with rows, passes (a group's
+  tiles are walked by `slots` blocks side by side, which share each weight tile through L2, so a group reads
+  its weights from HBM once per ceil(tiles / slots) steps) and the most passes of any group (the kernel's
+  longest block)."""
+  if M <= 0:
+    return {"tiles": 0.0, "busy": 0.0, "passes": 0.0, "max_passes": 0.0}
+  p = np.clip(popularity(G, skew), 1e-12, 1 - 1e-12)
+  mu, sd = M * p, np.sqrt(M * p * (1 - p))
+  lo, hi = int(max(0, np.floor((mu - 12 * sd).min()) - 1)), int(min(M, np.ceil((mu + 12 * sd).max()) + 1))
+  n = np.arange(lo, hi + 1)
+  logfact = np.concatenate([[0.0], np.cumsum(np.log(np.arange(1, M + 1)))])
+  logpmf = (logfact[M] - logfact[n] - logfact[M - n])[None, :] + n[None, :] * np.log(p)[:, None] \
+      + (M - n)[None, :] * np.log1p(-p)[:, None]
+  pmf = np.exp(logpmf)  # [G, n]
+  t = np.ceil(n / block_m)
+  steps = np.ceil(t / slots)
+  cdf = np.cumsum(pmf, axis=1)
+  # P(the most passes of any group <= s) = prod over groups of P(its passes <= s).
+  levels = np.unique(steps)
+  below = np.array([np.prod(np.clip(cdf[:, np.searchsorted(steps, lv, side="right") - 1], 0, 1)) for lv in levels])
+  return {"tiles": float((pmf * t).sum()), "busy": float(G - pmf[:, n == 0].sum()),
+          "passes": float((pmf * steps).sum()),
+          "max_passes": float(np.sum(levels * np.diff(np.concatenate([[0.0], below]))))}
+
+
+def plan(M: int, G: int, K: int, N: int, n_weights: int = 1, weight_bytes: int = 2) -> Plan:
+  """The tile and slots for M rows over G groups of [K, N] weights (n_weights of them per group): the pair
+  whose expected time is least, with rows spread as PLAN_SKEW's router spreads them: max(bytes, FLOPs) at an
+  H200's achievable rates, counting the weights re-read by a group's extra passes (more tiles than slots)
+  and the padded rows, plus the waves of blocks that find no rows (a wave of resident blocks costs about
+  1 us). The column tiles of a row tile share its rows through L2. Of pairs within 1% of the least, the
+  largest tile, then the fewest slots. Slots range from what a group of average load needs to twice that."""
   rows = M / G
-  row_tiles = math.ceil(rows / p.block_m) if rows > 0 else 0
+  resident = 132 * 8
+
+  def cost(bm: int, slots: int) -> float:
+    e = expected_tiles(M, G, bm, PLAN_SKEW, slots)
+    moved = e["passes"] * K * N * n_weights * weight_bytes + e["tiles"] * bm * K * 2 + M * N * 2
+    cols = math.ceil(N / Plan(bm, slots).block_n(n_weights))
+    empty = cols * (slots * G - min(slots * e["busy"], e["tiles"]))
+    return max(moved / _PLAN_BYTES_PER_S, 2.0 * e["tiles"] * bm * K * N * n_weights / _PLAN_FLOPS) + 1e-6 * empty / resident
+
+  # Small tiles only where the GEMM streams weights (a 16-row tile runs the tensor cores at a fraction).
+  costs = {}
+  for bm in (SMALL_BLOCK_M + BLOCK_M if rows <= SMALL_BLOCK_M[-1] else BLOCK_M):
+    need = max(1, math.ceil(rows / bm))
+    for slots in range(need, 2 * need + 1):
+      costs[(bm, slots)] = cost(bm, slots)
+  best = min(costs.values())
+  bm, slots = min((k for k, c in costs.items() if c <= 1.01 * best), key=lambda k: (-k[0], k[1]))
+  return Plan(bm, slots)
+
+
+def tiles(M: int, K: int, N: int, G: int, n_weights: int = 1, p: Plan | None = None,
+          skew: float = 0.0) -> dict[str, float]:
+  """The work of one call with M rows over G groups spread as a router of `skew` spreads them (plan's
+  model): routed and tile FLOPs (each group's rows rounded up to block_m), the weight tiles read from HBM (a
+  group with more tiles than slots reads its weights again per pass; one with none reads nothing), grid
+  blocks, and blocks that find rows."""
+  p = p or plan(M, G, K, N, n_weights)
+  e = expected_tiles(M, G, p.block_m, skew, p.slots)
   col_tiles = math.ceil(N / p.block_n(n_weights))
   return {"routed_flops": 2.0 * M * K * N * n_weights,
-          "padded_flops": 2.0 * G * row_tiles * p.block_m * K * N * n_weights,
-          "blocks": p.slots * col_tiles * G, "working_blocks": G * min(p.slots, row_tiles) * col_tiles,
+          "padded_flops": 2.0 * e["tiles"] * p.block_m * K * N * n_weights,
+          "weight_tiles": e["passes"], "busy_groups": e["busy"], "max_passes": e["max_passes"],
+          "blocks": p.slots * col_tiles * G, "working_blocks": min(p.slots * e["busy"], e["tiles"]) * col_tiles,
           "block_m": p.block_m}
 
 
@@ -104,7 +176,7 @@ def _values_scale(w):
 
 
 def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool, block_m: int, slots: int,
-            gathered: bool, x_scaled: bool, row_scaled: bool, rows_per_token: int):
+            gathered: bool, x_scaled: bool, row_scaled: bool, rows_per_token: int, row_group: int = 0):
   """One (slot, column tile, group) block: the group's row tiles slot, slot + slots, ..."""
   x_ref, refs = refs[0], refs[1:]
   src_ref, refs = (refs[0], refs[1:]) if gathered else (None, refs)
@@ -139,13 +211,20 @@ def _kernel(*refs, n_weights: int, scaled: bool, out_scaled: bool, swiglu: bool,
         a = a * xs_ref[pl.ds(ks, BLOCK_K)][None, :]
       # 8-bit weights convert to the activations' dtype in the load (a no-op for 8-bit activations: the
       # product then runs on 8-bit tensor cores); the scales wait for the epilogue.
+      if row_group:  # a scale per row and group of row_group columns: each K step's product scaled by its group's
+        g = ks // row_group
+        rs = (rs_ref[src, pl.ds(g, 1)] if gathered
+              else plgpu.load(rs_ref.at[pl.ds(start, block_m), pl.ds(g, 1)], mask=rows[:, None], other=0.0))
+        return tuple(acc + jnp.dot(a, w[pl.ds(ks, BLOCK_K), :].astype(a.dtype),
+                                   preferred_element_type=quant.accumulator(x_ref.dtype)).astype(jnp.float32) * rs
+                     for acc, w in zip(accs, w_refs))
       return tuple(acc + jnp.dot(a, w[pl.ds(ks, BLOCK_K), :].astype(a.dtype), preferred_element_type=acc.dtype)
                    for acc, w in zip(accs, w_refs))
 
-    acc_dt = quant.accumulator(x_ref.dtype) if row_scaled else jnp.float32
+    acc_dt = quant.accumulator(x_ref.dtype) if (row_scaled and not row_group) else jnp.float32
     accs = jax.lax.fori_loop(0, K // BLOCK_K, k_step, tuple(jnp.zeros((block_m, bn), acc_dt) for _ in range(n_weights)))
     accs = [acc.astype(jnp.float32) for acc in accs]
-    if row_scaled:  # each row's activation scale (8-bit x), before the nonlinearity
+    if row_scaled and not row_group:  # each row's activation scale (8-bit x), before the nonlinearity
       rs = rs_ref[src] if gathered else plgpu.load(rs_ref.at[pl.ds(start, block_m)], mask=rows, other=0.0)
       accs = [acc * rs[:, None] for acc in accs]
     accs = [acc if sr is None else acc * sr[...] for acc, sr in zip(accs, s_refs)]
@@ -350,7 +429,8 @@ def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Pla
   flattened [T, k] expert ids is the index as it is (no kernel to divide it).
   row_scale [rows of x] fp32: x is 8-bit activations (quant.quantize_rows) of the weights' 8-bit type, row r
   standing for x[r] * row_scale[r]; the product runs on the 8-bit values (int32 / fp32 accumulator). With
-  rows=, indexed like x (by token). out_dtype: the result's (default x's; needed for 8-bit x).
+  rows=, indexed like x (by token). [rows of x, K / group]: one scale per row and run of `group` columns
+  (quant's "+a8g"), each K step's product scaled by its run's scale into an fp32 accumulator. out_dtype: the result's (default x's; needed for 8-bit x).
   routed_rows: M, the rows the plan was made for (needed with rows; else x's rows less block_m). The kernel's
   name carries it and the tile (`dinfer_grouped_{dot|swiglu}_bm{block_m}_m{M}`: bench/realistic.py reads
   them)."""
@@ -395,8 +475,11 @@ def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Pla
     if x_scaled or jnp.dtype(x.dtype).itemsize != 1 or x.dtype != parts[0][0].dtype:
       raise ValueError(f"grouped_matmul: row_scale needs x in the weights' 8-bit type (x {x.dtype}, weights "
                        f"{parts[0][0].dtype}) and no x_scale (fold it in before quantising x)")
-    if tuple(row_scale.shape) != (x.shape[0],):
-      raise ValueError(f"grouped_matmul: row_scale {tuple(row_scale.shape)} is not [{x.shape[0]}] (one per row of x)")
+    row_group = K // row_scale.shape[1] if row_scale.ndim == 2 and row_scale.shape[1] else 0
+    if tuple(row_scale.shape) not in ((x.shape[0],), (x.shape[0], K // max(row_group, 1))) or (
+        row_group and (K % row_scale.shape[1] or row_group % BLOCK_K)):
+      raise ValueError(f"grouped_matmul: row_scale {tuple(row_scale.shape)} is neither [{x.shape[0]}] (one per row "
+                       f"of x) nor [{x.shape[0]}, K / group] with groups of a multiple of {BLOCK_K} columns")
   elif jnp.dtype(x.dtype).itemsize == 1:
     raise ValueError(f"grouped_matmul: 8-bit x ({x.dtype}) needs its row_scale")
   out_dtype = out_dtype or x.dtype
@@ -409,7 +492,8 @@ def grouped_matmul(x: jax.Array, ws: tuple, lo: jax.Array, hi: jax.Array, p: Pla
   kind = "swiglu" if len(ws) == 2 else "dot"
   kernel = functools.partial(_kernel, n_weights=len(ws), scaled=scaled, out_scaled=out_scaled, swiglu=len(ws) == 2,
                              block_m=p.block_m, slots=p.slots, gathered=gathered, x_scaled=x_scaled,
-                             row_scaled=row_scaled, rows_per_token=rows_per_token)
+                             row_scaled=row_scaled, rows_per_token=rows_per_token,
+                             row_group=row_group if row_scaled else 0)
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype), in_specs=in_specs,
       out_specs=pl.BlockSpec((Mp, bn), lambda s, j, e: (0, j)), grid=(p.slots, N // bn, G),

@@ -187,29 +187,34 @@ GROUPED_BLOCK_M = (64, 128, 256)
 GROUPED_BLOCK_N = 128
 
 
-def grouped_tiles(M: int, K: int, N: int, G: int, block_m: int, block_n: int = GROUPED_BLOCK_N) -> dict[str, float]:
-  """The work of one grouped GEMM x [M, K] by w [G, K, N] with M rows spread evenly over G groups: FLOPs of
-  the tiles it runs (each group's rows rounded up to block_m), grid blocks, and blocks that find rows."""
-  rows = M / G
-  row_tiles = math.ceil(rows / block_m) if rows > 0 else 0
+def grouped_tiles(M: int, K: int, N: int, G: int, block_m: int, block_n: int = GROUPED_BLOCK_N,
+                  skew: float = grouped_gemm.PLAN_SKEW) -> dict[str, float]:
+  """The work of one grouped GEMM x [M, K] by w [G, K, N] with M rows spread over G groups as a router of
+  `skew` spreads them (grouped_gemm.expected_tiles): FLOPs of the tiles it runs (each group's rows rounded
+  up to block_m), weight tiles read from HBM, grid blocks, and blocks that find rows."""
+  e = grouped_gemm.expected_tiles(M, G, block_m, skew)
   col_tiles = math.ceil(N / block_n)
-  return {"routed_flops": 2.0 * M * K * N, "padded_flops": 2.0 * G * row_tiles * block_m * K * N,
-          "blocks": math.ceil(M / block_m) * col_tiles * G, "working_blocks": G * row_tiles * col_tiles}
+  # Every row tile has a block of its own (the grid's rows), so a group's tiles run side by side and share
+  # its weights through L2: one read per group with rows.
+  return {"routed_flops": 2.0 * M * K * N, "padded_flops": 2.0 * e["tiles"] * block_m * K * N,
+          "weight_tiles": e["busy"], "busy_groups": e["busy"],
+          "blocks": math.ceil(M / block_m) * col_tiles * G, "working_blocks": e["tiles"] * col_tiles}
 
 
-def grouped_time_s(t: dict[str, float], chip: hardware.Chip | None = None) -> float:
-  """Compute time of the tiles plus the empty blocks' waves on `chip` (default hardware.current()): the
-  realistic model's charge."""
+def grouped_time_s(t: dict[str, float], K: int, N: int, chip: hardware.Chip | None = None,
+                   weight_bytes: int = 2) -> float:
+  """Time of the tiles on `chip` (default hardware.current()): the weight tiles read or the tiles' FLOPs,
+  whichever is longer, plus the empty blocks' waves."""
   chip = chip or hardware.current()
-  return t["padded_flops"] / chip.gemm_flops + chip.empty_wave_s * (t["blocks"] - t["working_blocks"]) / \
-      chip.resident_blocks
+  body = max(t["weight_tiles"] * K * N * weight_bytes / chip.copy_bytes_per_s, t["padded_flops"] / chip.gemm_flops)
+  return body + chip.empty_wave_s * (t["blocks"] - t["working_blocks"]) / chip.resident_blocks
 
 
 def grouped_block_m(M: int, K: int, N: int, G: int) -> int:
   """The row tile that costs least for this shape on the target chip (ties: the smaller tile, fewer
   registers)."""
   chip = hardware.current()
-  return min(GROUPED_BLOCK_M, key=lambda bm: (grouped_time_s(grouped_tiles(M, K, N, G, bm), chip), bm))
+  return min(GROUPED_BLOCK_M, key=lambda bm: (grouped_time_s(grouped_tiles(M, K, N, G, bm), K, N, chip), bm))
 
 
 def _tokamax_op(block_m: int):
@@ -294,9 +299,12 @@ def moe_loop_reference(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_e
   a8 = quant.act8(ex["gate"], h.shape[0])
   if a8:
     qt, down_s = ex["down"].qvalue.dtype, ex["down"].scale[..., 0]  # [E, F]
+    gate = ex["gate"]
 
     def rounded(x):
-      v, s = quant.quantize_rows(x, qt, (1,))
+      group = quant.run_length(gate, x.shape[1])
+      v, s = quant.quantize_rows(x, qt, (1,), group)
+      s = jnp.repeat(s, group, axis=1) if group else s
       return (v.astype(jnp.float32) * s).astype(x.dtype)
     h = rounded(h)
     down_q = ex["down"].qvalue
@@ -315,10 +323,17 @@ def moe_loop_reference(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_e
   return out.astype(h.dtype)
 
 
+def _plan(M: int, n_experts: int, gate) -> grouped_gemm.Plan:
+  """The grouped kernels' tile for M routed rows over the experts' gate [E, D, F] (gate/up: two weights)."""
+  _, D, F = gate.shape
+  dt = gate.qvalue.dtype if quant.is_qarray(gate) else gate.dtype
+  return grouped_gemm.plan(M, n_experts, D, F, n_weights=2, weight_bytes=jnp.dtype(dt).itemsize)
+
+
 def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
   T = h.shape[0]
   M = T * idx.shape[1]
-  p = grouped_gemm.plan(M, n_experts)
+  p = _plan(M, n_experts, ex["gate"])
   interpret = backend() != "gpu"  # the CPU tests run the kernel's own code in Pallas's interpreter
   down, fold = ex["down"], None
   if quant.is_qarray(down):  # per-(expert, F) scales: applied to the activations, in the kernel before
@@ -327,8 +342,9 @@ def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
   x, x_rs = h, None
   if a8:  # 8-bit activations: each token quantised once (after the norm weight), before its k rows are formed
     hw = h if x_scale is None else h * x_scale.astype(h.dtype)
-    x, x_rs = quant.quantize_rows(hw, down.dtype, (1,))
-    x_rs, x_scale = x_rs[:, 0], None
+    group = quant.run_length(ex["gate"], hw.shape[1])
+    x, x_rs = quant.quantize_rows(hw, down.dtype, (1,), group)
+    x_rs, x_scale = (x_rs if group else x_rs[:, 0]), None
   per_token = 1
   if layout is None:
     flat_e = idx.reshape(-1)
@@ -354,9 +370,10 @@ def _grouped_forward(h, w, idx, ex, n_experts, layout, x_scale, residual, eps):
                                   routed_rows=M, x_scale=x_scale, row_scale=x_rs, out_dtype=h.dtype,
                                   rows_per_token=per_token, interpret=interpret)
   a_rs = None
-  if a8:  # the down projection's input, one scale per routed row
-    a, a_rs = quant.quantize_rows(a, down.dtype, (1,))
-    a_rs = a_rs[:, 0]
+  if a8:  # the down projection's input, one scale per routed row (and run of columns with "+a8g")
+    group = quant.run_length(ex["gate"], a.shape[1])
+    a, a_rs = quant.quantize_rows(a, down.dtype, (1,), group)
+    a_rs = a_rs if group else a_rs[:, 0]
   ys = grouped_gemm.grouped_matmul(a, (down,), lo, hi, p, routed_rows=M, row_scale=a_rs, out_dtype=h.dtype,
                                    interpret=interpret)
   if residual is not None:  # the residual add and the next norm in the same kernel as the combine
@@ -433,7 +450,7 @@ def experts_grouped_routed(h: jax.Array, lp: dict, cfg: ModelConfig, norm_w: jax
   y, each token's k rows gathered (XLA fuses that with the residual add). Same maths as route +
   experts_grouped."""
   k, E = cfg.n_experts_per_tok, cfg.n_experts
-  p = grouped_gemm.plan(h.shape[0] * k, E)
+  p = _plan(h.shape[0] * k, E, lp["experts"]["gate"])
   hw = h if norm_w is None else norm_w.astype(h.dtype) * h  # the router's input (XLA fuses it into its GEMM)
   probs = jax.nn.softmax(_router_logits(hw, lp), axis=-1)
   r = grouped_gemm.topk_align(probs, k, p.block_m, interpret=backend() != "gpu")

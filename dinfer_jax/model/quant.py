@@ -57,13 +57,16 @@ class QuantConfig:
   thresholds. embed: the input embedding table too (one scale per row, in the table's own dtype, so the
   model's activation dtype stays the table's): its rows are looked up and dequantised, and iteration
   smoothing's probabilities x table product reads it in 8 bits. act_min_tokens: see DEFAULT_ACT_MIN_TOKENS
-  (None: weight-only)."""
+  (None: weight-only). act_group: 0, one activation scale per token; else one per token and run of act_group
+  contracted elements ("+a8g": 1 x ACT_GROUP, as DeepSeek-V3's FP8 recipe), so one outlier channel coarsens
+  the rounding of its own group only, not of the token's whole row."""
   weights: str = "int8"
   scales: str = "channel"
   block: int = 128
   lm_head: bool = False
   act_min_tokens: int | None = None
   embed: bool = False
+  act_group: int = 0
 
   def __post_init__(self):
     if self.weights not in SCHEMES:
@@ -78,6 +81,9 @@ class QuantConfig:
       if self.scales != "channel":
         raise ValueError("QuantConfig: 8-bit activations (act_min_tokens) need per-channel weight scales: block "
                          "scales vary along the contracted axis, so the product cannot run in 8 bits")
+    if self.act_group and (self.act_group < 0 or self.act_min_tokens is None):
+      raise ValueError(f"QuantConfig: act_group={self.act_group} needs 8-bit activations (act_min_tokens) and "
+                       "a positive group")
     if self.embed and self.scales != "channel":
       raise ValueError("QuantConfig: an 8-bit embedding table (embed) takes one scale per row: per-channel "
                        "scales only")
@@ -99,7 +105,8 @@ class QuantConfig:
     """None/"none"/"bf16" -> None; "int8", "fp8", "fp8-block", "int8-channel", then options: "+head" for the
     LM head too ("fp8+head"), "+embed" for the embedding table too, "+a8" for dynamic 8-bit activations in
     forwards of at least DEFAULT_ACT_MIN_TOKENS tokens, "+a8:N" from N tokens ("fp8+head+embed+a8",
-    "int8+a8:0"); a dict; a QuantConfig."""
+    "int8+a8:0"), "+a8g" / "+a8g:N" for the same with one scale per 1 x ACT_GROUP group of a token's
+    contracted elements; a dict; a QuantConfig."""
     if spec is None or isinstance(spec, QuantConfig):
       return spec
     if isinstance(spec, dict):
@@ -108,21 +115,23 @@ class QuantConfig:
     if s in ("none", "bf16", "bfloat16", "float32"):
       return None
     s, *opts = s.split("+")
-    head, embed, act = False, False, None
+    head, embed, act, group = False, False, None, 0
     for o in opts:
       name, colon, n = o.partition(":")
       if o == "head" and not head:
         head = True
       elif o == "embed" and not embed:
         embed = True
-      elif name == "a8" and act is None and (not colon or n.isdigit()):
+      elif name in ("a8", "a8g") and act is None and (not colon or n.isdigit()):
         act = int(n) if colon else DEFAULT_ACT_MIN_TOKENS
+        group = ACT_GROUP if name == "a8g" else 0
       else:
         raise ValueError(f"quantize {spec!r}: unknown option '+{o}'; the options are '+head' (the LM head too), "
                          f"'+embed' (the embedding table too) and '+a8' / '+a8:N' (8-bit activations from N "
-                         f"tokens per forward), each once")
+                         f"tokens per forward; '+a8g' / '+a8g:N' with a scale per 1 x {ACT_GROUP} group), each once")
     weights, _, scales = s.partition("-")
-    return cls(weights=weights, scales=scales or "channel", lm_head=head, act_min_tokens=act, embed=embed)
+    return cls(weights=weights, scales=scales or "channel", lm_head=head, act_min_tokens=act, embed=embed,
+               act_group=group)
 
 
 # From this many tokens per forward the activations go 8-bit by default: every refresh (1280 tokens per
@@ -132,6 +141,9 @@ class QuantConfig:
 # batch 8 (768 tokens) the quantisation's own kernels and bytes cost more than the faster products save
 # (3.97 -> 4.26 ms by the same model).
 DEFAULT_ACT_MIN_TOKENS = 1024
+# "+a8g": a token's contracted elements in runs of this many, one activation scale each (1 x 128 groups, the
+# fine-grained activation scaling of DeepSeek-V3's FP8 training recipe and of the FP8 checkpoints' kernels).
+ACT_GROUP = 128
 
 
 def format_tag(spec: str) -> str:
@@ -244,12 +256,13 @@ def with_parts(w, qvalue, scale):
   return dataclasses.replace(w, qvalue=qvalue, scale=scale)
 
 
-def make_qarray(qvalue, scale, act_min_tokens: int | None = None):
+def make_qarray(qvalue, scale, act_min_tokens: int | None = None, act_group: int = 0):
   """A QArray from stored parts (a checkpoint's qvalue and fp32 scale); with act_min_tokens, one whose products
-  quantise their activations too (see _act_class)."""
+  quantise their activations too, per token or per act_group run of a token's contracted elements (see
+  _act_class)."""
   if act_min_tokens is None:
     return qwix.QArray(qvalue=qvalue, scale=scale)
-  return _act_class()(qvalue=qvalue, scale=scale, act_min_tokens=act_min_tokens)
+  return _act_class()(qvalue=qvalue, scale=scale, act_min_tokens=act_min_tokens, act_group=act_group)
 
 
 _ACT_CLASS = []
@@ -265,6 +278,7 @@ def _act_class():
     @flax.struct.dataclass
     class ActQArray(qwix.QArray):
       act_min_tokens: int = flax.struct.field(pytree_node=False, default=0)
+      act_group: int = flax.struct.field(pytree_node=False, default=0)
 
     _ACT_CLASS.append(ActQArray)
   return _ACT_CLASS[0]
@@ -275,15 +289,27 @@ def act_min_tokens(w) -> int | None:
   return getattr(w, "act_min_tokens", None) if is_qarray(w) else None
 
 
+def act_group(w) -> int:
+  """The weight's activation scale groups: 0, one scale per token; else elements per scale."""
+  return getattr(w, "act_group", 0) if is_qarray(w) else 0
+
+
+def run_length(w, K: int) -> int:
+  """The elements per activation scale of a product contracting K with weight w: 0 for one scale per token,
+  else its act_group, or K when K is shorter (one run)."""
+  group = act_group(w)
+  return min(group, K) if group else 0
+
+
 def act8(w, tokens: int) -> bool:
   """Whether a product with weight w over `tokens` rows runs on 8-bit activations (its policy says so)."""
   n = act_min_tokens(w)
   return n is not None and tokens >= n
 
 
-def with_act(w, n: int | None):
-  """A QArray with activation policy n (None: weight-only)."""
-  return make_qarray(w.qvalue, w.scale, n) if act_min_tokens(w) != n else w
+def with_act(w, n: int | None, group: int = 0):
+  """A QArray with activation policy n (None: weight-only) and scale groups `group`."""
+  return make_qarray(w.qvalue, w.scale, n, group) if (act_min_tokens(w), act_group(w)) != (n, group) else w
 
 
 # Activations' symmetric bounds. Not qwix.quantize's: its int8 bound is 127.5, which puts every row's absmax
@@ -294,9 +320,16 @@ def with_act(w, n: int | None):
 ACT_QMAX = {"int8": 127.0, "fp8": 448.0}
 
 
-def quantize_rows(x: jax.Array, qtype, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, qtype, axes: tuple[int, ...], group: int = 0) -> tuple[jax.Array, jax.Array]:
   """Dynamic symmetric quantisation of activations: one fp32 scale per index of the axes not in `axes` (per
-  token), absmax over `axes`. Returns (values in qtype, scale with `axes` kept as 1s); x ~ values * scale."""
+  token), absmax over `axes`. Returns (values in qtype, scale with `axes` kept as 1s); x ~ values * scale.
+  group > 0: `axes` is x's last axis alone, cut into runs of `group` elements with a scale each: the scale is
+  [..., K / group] and x ~ values * repeat(scale, group) along the last axis."""
+  if group:
+    if axes != (x.ndim - 1,) or x.shape[-1] % group:
+      raise ValueError(f"quantize_rows: groups of {group} cut the last axis alone (axes {axes} of {x.shape})")
+    v, s = quantize_rows(x.reshape(*x.shape[:-1], x.shape[-1] // group, group), qtype, (x.ndim,))
+    return v.reshape(x.shape), s[..., 0]
   xf = x.astype(jnp.float32)
   amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
   qmax = ACT_QMAX["int8" if jnp.dtype(qtype) == jnp.int8 else "fp8"]
@@ -325,7 +358,7 @@ def join_columns(ws: list) -> Any:
     raise ValueError("join_columns: kernels are either all quantised or all plain")
   qv = jnp.concatenate([w.qvalue.reshape(w.shape[0], -1) for w in ws], axis=1)
   sc = jnp.concatenate([w.scale.reshape(w.scale.shape[0], -1) for w in ws], axis=1)
-  return make_qarray(qv, sc, act_min_tokens(ws[0]))
+  return make_qarray(qv, sc, act_min_tokens(ws[0]), act_group(ws[0]))
 
 
 def _keys(path) -> tuple[str, ...]:
@@ -346,14 +379,14 @@ def quantize_params(params: dict[str, Any], qc: QuantConfig | str) -> dict[str, 
       return w
     if is_qarray(w):
       if w.qvalue.dtype == qc.qtype and tuple(w.scale.shape) == scale_shape(keys, w.shape, qc):
-        return with_act(w, qc.act_min_tokens)
+        return with_act(w, qc.act_min_tokens, qc.act_group)
       dt, w = w.dtype, dequantize(w, jnp.float32)
     else:
       dt = w.dtype
     q = quantize_leaf(keys, w, qc)
     if keys == ("embed",):  # the table's dtype is the model's activation dtype (QArray.dtype is the scale's)
       q = with_parts(q, q.qvalue, q.scale.astype(dt))
-    return with_act(q, qc.act_min_tokens)
+    return with_act(q, qc.act_min_tokens, qc.act_group)
 
   return jax.tree_util.tree_map_with_path(one, params, is_leaf=is_qarray)
 
@@ -441,14 +474,41 @@ def _act8_einsum(full: str, x: jax.Array, w, s: jax.Array, scaled: list[str], ou
   if not all(c in out for c in scaled):  # scales on contracted axes: they go to x before its quantisation
     xf = xf * jax.lax.broadcast_in_dim(s, x.shape, [xs.index(c) for c in scaled])
   axes = tuple(i for i, c in enumerate(xs) if c not in out)
-  xq, sx = quantize_rows(xf, w.qvalue.dtype, axes)
-  y = jnp.einsum(full, xq, w.qvalue, preferred_element_type=accumulator(w.qvalue.dtype)).astype(jnp.float32)
-  kept = [c for c in xs if c in out]
-  y = y * jax.lax.broadcast_in_dim(sx.reshape([n for i, n in enumerate(x.shape) if i not in axes]), y.shape,
-                                   [out.index(c) for c in kept])
+  group = run_length(w, x.shape[axes[-1]])
+  if group:  # a contracted axis shorter than a group is one run (per head for o's 128-wide heads)
+    y = _act8_grouped(xs, ws, out, xf, w, axes, group)
+  else:
+    xq, sx = quantize_rows(xf, w.qvalue.dtype, axes)
+    y = jnp.einsum(full, xq, w.qvalue, preferred_element_type=accumulator(w.qvalue.dtype)).astype(jnp.float32)
+    kept = [c for c in xs if c in out]
+    y = y * jax.lax.broadcast_in_dim(sx.reshape([n for i, n in enumerate(x.shape) if i not in axes]), y.shape,
+                                     [out.index(c) for c in kept])
   if all(c in out for c in scaled):
     y = y * jax.lax.broadcast_in_dim(s, y.shape, [out.index(c) for c in scaled])
   return y.astype(out_dt)
+
+
+def _act8_grouped(xs: str, ws: str, out: str, xf: jax.Array, w, axes: tuple[int, ...], group: int) -> jax.Array:
+  """The 8-bit product with a scale per `group` run of the last contracted axis of x (and per index of its
+  other contracted axes): the runs' partial products are kept apart in the output, each scaled by its run's
+  scale, then summed (an 8-bit GEMM that promotes its accumulator per K group does the same in-kernel)."""
+  c = xs[axes[-1]]
+  g = next(ch for ch in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if ch not in xs + ws + out)
+  K = xf.shape[axes[-1]]
+  if K % group:
+    raise ValueError(f"8-bit activations in groups of {group}: contracted axis of {K} is not a multiple")
+  split = lambda a, spec, i: a.reshape(a.shape[:i] + (K // group, group) + a.shape[i + 1:])  # noqa: E731
+  xg = split(xf, xs, axes[-1])
+  qv = split(w.qvalue, ws, ws.index(c))
+  xs2, ws2 = xs.replace(c, g + c), ws.replace(c, g + c)
+  others = [ch for ch in xs if ch not in out and ch != c]
+  out2 = out + "".join(others) + g
+  xq, sx = quantize_rows(xg, w.qvalue.dtype, (xs2.index(c),))  # absmax over each run
+  y = jnp.einsum(f"{xs2},{ws2}->{out2}", xq, qv, preferred_element_type=accumulator(w.qvalue.dtype))
+  y = y.astype(jnp.float32)
+  sx = sx.reshape([n for i, n in enumerate(xg.shape) if i != xs2.index(c)])
+  y = y * jax.lax.broadcast_in_dim(sx, y.shape, [out2.index(ch) for ch in xs2 if ch != c])
+  return y.sum(axis=tuple(range(len(out), len(out2))))
 
 
 def _dequantized_einsum(spec: str, x: jax.Array, w, preferred_element_type) -> jax.Array:

@@ -188,6 +188,45 @@ def test_a8_einsum_is_the_product_of_the_rounded_activations(scheme):
   np.testing.assert_allclose(quant.einsum("ETF,EFD->TD", a, wd), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_a8g_einsum_rounds_each_run_of_128(scheme):
+  """"+a8g": one scale per token and run of 128 contracted elements. The product equals the fp32 product of
+  the dequantised weight and the activations rounded run by run; a contracted axis shorter than a run (o's
+  16-wide heads here) is one run per head. With an outlier channel int8's runs are closer to the unrounded
+  product than one scale per token."""
+  qc = quant.QuantConfig.parse(f"{scheme}+a8g:0")
+  assert (qc.act_min_tokens, qc.act_group) == (0, quant.ACT_GROUP)
+  assert quant.QuantConfig.parse(f"{scheme}+a8g:64").act_min_tokens == 64
+  rng = np.random.default_rng(1)
+  w = quant.quantize_params({"layers": [{"q": jnp.asarray(rng.normal(size=(256, 4, 16)) / 16, jnp.float32),
+                                         "o": jnp.asarray(rng.normal(size=(4, 16, 256)) / 16, jnp.float32)}]},
+                            qc)["layers"][0]
+  assert quant.act_group(w["q"]) == 128 and quant.act_group(quant.join_columns([w["q"], w["q"]])) == 128
+  x = np.asarray(rng.normal(size=(2, 5, 256)), np.float32)
+  x[..., 3] *= 80.0
+  x = jnp.asarray(x)
+  v, s = quant.quantize_rows(x, w["q"].qvalue.dtype, (2,), 128)
+  assert s.shape == (2, 5, 2)
+  rounded = v.astype(jnp.float32) * jnp.repeat(s, 128, axis=2)
+  deq = quant.dequantize(w["q"], jnp.float32)
+  got = quant.einsum("BTD,DNH->BTNH", x, w["q"])
+  np.testing.assert_allclose(got, jnp.einsum("BTD,DNH->BTNH", rounded, deq), rtol=1e-5, atol=1e-4)
+  if scheme == "int8":  # FP8's exponent keeps small values fine under one scale; int8's steps do not
+    exact = jnp.einsum("BTD,DNH->BTNH", x, deq)
+    per_token = quant.einsum("BTD,DNH->BTNH", x, quant.with_act(w["q"], 0))
+    assert float(jnp.abs(got - exact).mean()) < 0.8 * float(jnp.abs(per_token - exact).mean())
+  a = jnp.asarray(rng.normal(size=(2, 5, 4, 16)), jnp.float32)
+  v, s = quant.quantize_rows(a, w["o"].qvalue.dtype, (3,), 16)  # per (token, head)
+  ref = jnp.einsum("BTNH,NHD->BTD", v.astype(jnp.float32) * jnp.repeat(s, 16, axis=3),
+                   quant.dequantize(w["o"], jnp.float32))
+  np.testing.assert_allclose(quant.einsum("BTNH,NHD->BTD", a, w["o"]), ref, rtol=1e-5, atol=1e-4)
+  for bad, msg in (("fp8-block+a8g", "per-channel"), ("fp8+a8g+a8", "each once"), ("fp8+a8g:x", "unknown option")):
+    with pytest.raises(ValueError, match=msg):
+      quant.QuantConfig.parse(bad)
+  with pytest.raises(ValueError, match="groups of 128 cut the last axis"):
+    quant.quantize_rows(x, jnp.int8, (1, 2), 128)
+
+
 def test_a8_rounding_by_hand():
   x = jnp.asarray([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
   v, s = quant.quantize_rows(x, jnp.int8, (1,))
