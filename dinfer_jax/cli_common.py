@@ -94,14 +94,14 @@ def quantize_spec(s: str) -> str:
     raise argparse.ArgumentTypeError(str(e)) from None
   if not ok:
     raise argparse.ArgumentTypeError(f"{s!r}: choose from {', '.join(QUANTIZE_CHOICES)} (per-channel ones with "
-                                     "+head, +embed, +a8 or +a8:N)")
+                                     "+head, +embed, +a8 / +a8:N or +a8g / +a8g:N)")
   return s
 
 
 QUANTIZE_HELP = ("8-bit matmul weights, quantised on load (an 8-bit checkpoint loads as stored without it). "
-                 "Recommended: int8 or fp8 (weight-only, per channel). +a8, +head and +embed are experimental: "
-                 "validated only on the embedded 2M-parameter model, not yet on a real 7B checkpoint (README, "
-                 "'8-bit weights')")
+                 "Recommended: int8 or fp8 (weight-only, per channel). +a8 (per-token activation scales), +a8g "
+                 "(a scale per 1x128 group), +head and +embed are experimental: validated only on the embedded "
+                 "2M-parameter model, not yet on a real 7B checkpoint (README, '8-bit weights')")
 
 
 def add_model_flags(ap: argparse.ArgumentParser, *, dtype: bool = True) -> None:
