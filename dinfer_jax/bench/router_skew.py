@@ -11,7 +11,6 @@ grouped GEMM re-reads the weights of an expert with more rows than its tile.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from typing import Any
@@ -25,19 +24,20 @@ from dinfer_jax import api, cli_common, cli_help, tasks
 from dinfer_jax.model import moe, transformer
 
 
-@contextlib.contextmanager
-def recording_routes():
-  """Every MoE layer's expert ids [T, k], in call order, while the context is open (eager forwards only)."""
-  seen: list[np.ndarray] = []
+def routed_experts(params, cfg, tokens: jax.Array, valid: jax.Array) -> list[jax.Array]:
+  """Every MoE layer's expert ids [B * T, k] for one forward of tokens [B, T] (valid [B, T]: the keys attended
+  to), in layer order: the forward is traced with moe.route wrapped to hand back what it picked (jit this)."""
+  seen: list[jax.Array] = []
   route = moe.route
 
   def recorded(*args, **kw):
     w, idx = route(*args, **kw)
-    seen.append(np.asarray(idx))
+    seen.append(idx)
     return w, idx
 
-  with mock.patch.object(moe, "route", recorded), jax.disable_jit():
-    yield seen
+  with mock.patch.object(moe, "route", recorded):
+    transformer.forward(params, cfg, tokens, mask=valid, moe_impl="dense")
+  return seen
 
 
 def skew(counts: np.ndarray) -> dict[str, float]:
@@ -55,22 +55,25 @@ def skew(counts: np.ndarray) -> dict[str, float]:
 
 
 def measure(model: api.Model, prompts: list[str], gen_tokens: int = 16) -> dict[str, Any]:
-  """Routes each prompt's tokens plus gen_tokens masks (a block being decoded) through the model, eagerly,
-  and reports skew() per MoE layer and their mean cv."""
+  """Routes each prompt's tokens plus gen_tokens masks (a block being decoded) through the model, in one
+  batch, and reports skew() per MoE layer and their mean cv."""
   cfg = model.config
   if not cfg.n_moe_layers:
     raise ValueError(f"router_skew: the model at {model.path} has no MoE layers")
-  ids = cli_common.encode_prompts(model, prompts, warn=False)
-  with recording_routes() as seen:
-    for row in ids:
-      tokens = jnp.asarray([row + [cfg.mask_token_id] * gen_tokens], jnp.int32)
-      transformer.forward(model.params, cfg, tokens, moe_impl="dense")
+  rows = [row + [cfg.mask_token_id] * gen_tokens for row in cli_common.encode_prompts(model, prompts, warn=False)]
+  # One batch, right-padded; the pads are masked out of attention and their routes dropped.
+  T = max(len(r) for r in rows)
+  tokens = np.full((len(rows), T), cfg.pad_token_id or 0, np.int32)
+  valid = np.zeros((len(rows), T), bool)
+  for b, r in enumerate(rows):
+    tokens[b, :len(r)], valid[b, :len(r)] = r, True
   n = cfg.n_moe_layers
-  if len(seen) != n * len(ids):
-    raise RuntimeError(f"router_skew: recorded {len(seen)} routings for {len(ids)} prompts x {n} MoE layers")
-  layers = [skew(np.bincount(np.concatenate([s.ravel() for s in seen[i::n]]), minlength=cfg.n_experts))
-            for i in range(n)]
-  return {"layers": layers, "cv": float(np.mean([x["cv"] for x in layers])), "prompts": len(ids),
+  seen = jax.jit(routed_experts, static_argnums=1)(model.params, cfg, jnp.asarray(tokens), jnp.asarray(valid))
+  if len(seen) != n:
+    raise RuntimeError(f"router_skew: recorded {len(seen)} routings for {n} MoE layers")
+  keep = valid.reshape(-1)
+  layers = [skew(np.bincount(np.asarray(idx)[keep].ravel(), minlength=cfg.n_experts)) for idx in seen]
+  return {"layers": layers, "cv": float(np.mean([x["cv"] for x in layers])), "prompts": len(rows),
           "experts": cfg.n_experts, "top_k": cfg.n_experts_per_tok}
 
 
