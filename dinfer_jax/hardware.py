@@ -61,6 +61,43 @@ CHIPS = {
 }
 DEFAULT = "h200"
 
+
+@dataclasses.dataclass(frozen=True)
+class Tpu:
+  """One TPU chip, as the deviceless TPU compile and the roofline bench see it (Google Cloud's TPU v5e, v5p
+  and v6e system-architecture pages: peak bf16 and int8 compute, HBM capacity and bandwidth, bidirectional
+  inter-chip interconnect bandwidth per chip).
+
+  Attributes:
+    key: the table's key ("v6e"), also the topology's name prefix (topologies.get_topology_desc "v6e:1x1").
+    name: as reported.
+    hbm_bytes_per_s, bf16_flops, int8_flops: spec peaks.
+    memory_bytes: HBM per chip.
+    ici_bytes_per_s: inter-chip interconnect, both directions together, per chip.
+    hbm_fraction, mxu_fraction: the realistic model's assumed achievable shares of the peaks (no TPU has run
+      this code: bench/realistic.py, charges_for_tpu).
+  """
+
+  key: str
+  name: str
+  hbm_bytes_per_s: float
+  bf16_flops: float
+  int8_flops: float
+  memory_bytes: int
+  ici_bytes_per_s: float
+  hbm_fraction: float = 0.85
+  mxu_fraction: float = 0.80
+
+
+TPUS = {
+    "v5e": Tpu("v5e", "TPU v5 lite", hbm_bytes_per_s=819e9, bf16_flops=197e12, int8_flops=394e12,
+               memory_bytes=16 * 10**9, ici_bytes_per_s=400e9),
+    "v5p": Tpu("v5p", "TPU v5p", hbm_bytes_per_s=2765e9, bf16_flops=459e12, int8_flops=918e12,
+               memory_bytes=95 * 10**9, ici_bytes_per_s=1200e9),
+    "v6e": Tpu("v6e", "TPU v6 lite", hbm_bytes_per_s=1638e9, bf16_flops=918e12, int8_flops=1836e12,
+               memory_bytes=32 * 10**9, ici_bytes_per_s=800e9),
+}
+
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("dinfer_jax_target_chip", default=None)
 
 

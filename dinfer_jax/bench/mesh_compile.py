@@ -1,11 +1,13 @@
-"""Deviceless compile of a sharded forward for 8 H200s: per-device memory, bytes, FLOPs, collectives, TPS.
+"""Deviceless compile of a sharded forward for a mesh of H200s or TPUs: per-device memory, bytes, FLOPs,
+collectives, TPS.
 
   JAX_PLATFORMS=cpu python -m dinfer_jax.bench.mesh_compile [--layouts tensor=8 tensor=4,expert=2 expert=8]
-      [--batches 1 32] [--json out.json]
+      [--batches 1 32] [--chip h200|v6e|v5e|v5p] [--json out.json]
 
-Needs the CUDA plugin next to CPU jax (`pip install "jax[cuda12]"`), no GPU: XLA compiles for a described
-H200 (jax.experimental.topologies) and the optimised per-device module is analysed on the CPU client. The
-weights are abstract (ShapeDtypeStruct with the rules table's shardings), so nothing is allocated.
+Needs the CUDA plugin next to CPU jax (`pip install "jax[cuda12]"`) for the H200, libtpu (`pip install -e
+".[tpu]"`) for a TPU, no device: XLA compiles for described chips (jax.experimental.topologies) and the
+optimised per-device module is analysed on the CPU client. The weights are abstract (ShapeDtypeStruct with the
+rules table's shardings), so nothing is allocated.
 
 For each mesh layout and batch it compiles the two forwards generation runs (LLaDA-MoE-7B-A1B, bf16,
 prompt 256 + gen 1024 = 1280-position canvas, block 64, dual cache): the cached window forward (64
@@ -15,7 +17,9 @@ bytes of one forward (layer scans unrolled for the measurement, since XLA's cost
 body once), and every collective XLA inserted (count and bytes). Predicted time per forward:
   max(bytes / HBM bandwidth, FLOPs / peak) + sum over collectives of (ring factor * bytes / link + latency)
 and TPS at dInfer's measured TPF: a block of 64 takes one refresh and (64 / TPF - 1) cached forwards.
-These are roofline predictions from the compiled program, not timings.
+The realistic figure charges each kernel of the per-device module as bench.realistic does (its class's share
+of the achievable rates, per-kernel floors; on a TPU the assumed fractions of realistic.charges_for_tpu)
+plus the collectives. These are predictions from the compiled program, not timings.
 """
 from __future__ import annotations
 
@@ -24,32 +28,31 @@ import contextlib
 import functools
 import json
 import math
+import os
 import re
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax._src.lib import _jax
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dinfer_jax import cli_help
 from dinfer_jax import hardware, sharding
+from dinfer_jax.bench import realistic
 from dinfer_jax.bench.roofline import target_config
 from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import params as params_lib
 from dinfer_jax.model.transformer import forward
 
-# The chip (hardware table): the compile target and the roofline constants.
-CHIP = hardware.CHIPS["h200"]
-H200_TARGET = target_config(CHIP)
-HBM_BW = CHIP.hbm_bytes_per_s  # bytes/s
-PEAK_BF16 = CHIP.bf16_flops  # dense FLOP/s
-NVLINK_BW = CHIP.nvlink_bytes_per_s  # bytes/s per direction per GPU (NVLink 4: 900 GB/s bidirectional)
+NVLINK_BW = hardware.CHIPS["h200"].nvlink_bytes_per_s  # bytes/s per direction per GPU (NVLink 4: 900 GB/s both)
 COLLECTIVE_LATENCY = 8e-6  # s per collective launch + sync (typical NCCL small-message latency in a node)
+# TPU slices as topologies name them, by chip count (a 2D torus of v5e / v6e chips; v5p's is 3D).
+TPU_TOPOLOGIES = {1: "1x1", 2: "1x2", 4: "2x2", 8: "2x4", 16: "4x4"}
+TPU_TOPOLOGIES_3D = {1: "1x1x1", 2: "1x1x2", 4: "1x2x2", 8: "2x2x2", 16: "2x2x4"}
 
 # dInfer's LLaDA-MoE setting behind 681 TPS (8xH800, TP=8, batch 1): threshold 0.8 + smoothing + vicinity,
 # dual cache, average TPF 3.87 over six benchmarks (paper Table 1).
@@ -61,12 +64,25 @@ _DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s
                 "s64": 8, "u64": 8}
 
 
-def topology_mesh(layout: dict[str, int]):
-  """A (data, tensor, expert) mesh over 8 described H200s (no devices needed)."""
+def topology_mesh(layout: dict[str, int], chip: str = "h200"):
+  """A (data, tensor, expert) mesh over described chips (no devices needed): H200s, or a TPU slice."""
   n = math.prod(layout.values())
-  topo = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology=f"1x1x{n}")
+  if chip in hardware.TPUS:
+    names = TPU_TOPOLOGIES_3D if chip == "v5p" else TPU_TOPOLOGIES
+    if n not in names:
+      raise ValueError(f"mesh of {n} {chip} chips: choose {sorted(names)} chips")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu would ask the cloud metadata server
+    topo = topologies.get_topology_desc(topology_name=f"{chip}:{names[n]}", platform="tpu")
+  else:
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(hardware.CHIPS[chip]),
+                                        topology=f"1x1x{n}")
   shape = tuple(layout.get(a, 1) for a in sharding.MESH_AXES)
   return topologies.make_mesh(topo, shape, sharding.MESH_AXES)
+
+
+def link_bytes_per_s(chip: str) -> float:
+  """Per direction per chip: NVLink for a GPU, half the TPU's bidirectional inter-chip interconnect."""
+  return hardware.TPUS[chip].ici_bytes_per_s / 2 if chip in hardware.TPUS else hardware.CHIPS[chip].nvlink_bytes_per_s
 
 
 @contextlib.contextmanager
@@ -112,14 +128,14 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   return out
 
 
-def collective_seconds(colls: dict[str, dict[str, int]], n_devices: int) -> float:
+def collective_seconds(colls: dict[str, dict[str, int]], n_devices: int, link: float = NVLINK_BW) -> float:
   """Ring-algorithm estimate: an all-reduce moves 2(p-1)/p of its bytes per device, gathers and scatters
-  (p-1)/p, plus a fixed latency per collective."""
+  (p-1)/p, at `link` bytes/s, plus a fixed latency per collective."""
   p = max(n_devices, 2)
   t = 0.0
   for kind, e in colls.items():
     factor = 2 * (p - 1) / p if kind == "all-reduce" else (p - 1) / p
-    t += factor * e["bytes"] / NVLINK_BW + e["count"] * COLLECTIVE_LATENCY
+    t += factor * e["bytes"] / link + e["count"] * COLLECTIVE_LATENCY
   return t
 
 
@@ -159,18 +175,23 @@ def compile_forward(cfg: ModelConfig, mesh, batch: int, kind: str, moe_impl: str
     return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
 
 
-def analyse(compiled, n_devices: int) -> dict:
+def analyse(compiled, n_devices: int, chip: str = "h200") -> dict:
   module = compiled.runtime_executable().hlo_modules()[0]
   cost = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
   mem = compiled.memory_analysis()
-  colls = collectives(compiled.as_text())
+  text = compiled.as_text()
+  colls = collectives(text)
   flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-  t_compute = max(nbytes / HBM_BW, flops / PEAK_BF16)
-  t_coll = collective_seconds(colls, n_devices)
+  spec = hardware.TPUS.get(chip) or hardware.CHIPS[chip]
+  t_compute = max(nbytes / spec.hbm_bytes_per_s, flops / spec.bf16_flops)
+  t_coll = collective_seconds(colls, n_devices, link_bytes_per_s(chip))
+  real = realistic.forward_time({"flops": flops, "bytes": nbytes}, realistic.Module(text), realistic.CHARGES[chip])
   return {"flops": flops, "bytes": nbytes, "arg_bytes": int(mem.argument_size_in_bytes),
           "temp_bytes": int(mem.temp_size_in_bytes), "out_bytes": int(mem.output_size_in_bytes),
           "alias_bytes": int(mem.alias_size_in_bytes), "collectives": colls,
-          "t_roofline_s": t_compute, "t_collectives_s": t_coll, "t_forward_s": t_compute + t_coll}
+          "t_roofline_s": t_compute, "t_collectives_s": t_coll, "t_forward_s": t_compute + t_coll,
+          "t_realistic_s": real["realistic_s"] + t_coll, "realistic_bytes": real["realistic_bytes"],
+          "kernels": real["kernels"]}
 
 
 def predicted_tps(t_refresh: float, t_cached: float, batch: int, tpf: float = DINFER_TPF) -> tuple[float, float]:
@@ -180,17 +201,18 @@ def predicted_tps(t_refresh: float, t_cached: float, batch: int, tpf: float = DI
   return per_seq, per_seq * batch
 
 
-def run(layouts: list[dict[str, int]], batches: list[int], moe_impl: str = "dense") -> list[dict]:
+def run(layouts: list[dict[str, int]], batches: list[int], moe_impl: str = "dense", chip: str = "h200") -> list[dict]:
   cfg = ModelConfig.llada_moe_7b_a1b()
   rows = []
   for layout in layouts:
-    mesh = topology_mesh(layout)
+    mesh = topology_mesh(layout, chip)
     n = mesh.size
     for b in batches:
-      r = {"layout": ",".join(f"{k}={v}" for k, v in layout.items()), "batch": b, "moe_impl": moe_impl}
+      r = {"layout": ",".join(f"{k}={v}" for k, v in layout.items()), "batch": b, "moe_impl": moe_impl,
+           "chip": chip}
       for kind in ("cached", "refresh"):
         t0 = time.time()
-        a = analyse(compile_forward(cfg, mesh, b, kind, moe_impl), n)
+        a = analyse(compile_forward(cfg, mesh, b, kind, moe_impl), n, chip)
         a["compile_s"] = time.time() - t0
         r[kind] = a
         print(f"{r['layout']:>18} B={b:<3} {kind:>7}: {a['flops'] / 1e12:7.3f} TFLOP {a['bytes'] / 1e9:7.2f} GB "
@@ -199,23 +221,28 @@ def run(layouts: list[dict[str, int]], batches: list[int], moe_impl: str = "dens
               f"({sum(e['bytes'] for e in a['collectives'].values()) / 2**20:7.1f} MiB) "
               f"t {a['t_forward_s'] * 1e3:6.2f} ms ({a['compile_s']:.0f}s compile)", file=sys.stderr)
       r["tps_per_seq"], r["tps_aggregate"] = predicted_tps(r["refresh"]["t_forward_s"], r["cached"]["t_forward_s"], b)
+      r["realistic_tps_per_seq"], r["realistic_tps_aggregate"] = predicted_tps(
+          r["refresh"]["t_realistic_s"], r["cached"]["t_realistic_s"], b)
       rows.append(r)
   return rows
 
 
 def table(rows: list[dict]) -> str:
   gib, gb = 2**30, 1e9
-  lines = ["| mesh (8 H200) | batch | forward | per-device weights+cache | temp | TFLOP/dev | GB/dev | "
-           "collectives (count: MiB) | roofline ms | collective ms | predicted TPS per seq (aggregate) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| chip | mesh | batch | forward | per-device weights+cache | temp | TFLOP/dev | GB/dev | "
+           "collectives (count: MiB) | roofline ms | collective ms | realistic ms | predicted TPS per seq (aggregate) "
+           "| realistic TPS per seq (aggregate) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     for kind in ("cached", "refresh"):
       a = r[kind]
       colls = ", ".join(f"{k} {e['count']}: {e['bytes'] / 2**20:.1f}" for k, e in sorted(a["collectives"].items()))
       tps = f"{r['tps_per_seq']:.0f} ({r['tps_aggregate']:.0f})" if kind == "cached" else ""
-      lines.append(f"| {r['layout']} | {r['batch']} | {kind} | {a['arg_bytes'] / gib:.2f} GiB | "
+      rtps = (f"{r['realistic_tps_per_seq']:.0f} ({r['realistic_tps_aggregate']:.0f})"
+              if kind == "cached" and "realistic_tps_per_seq" in r else "")
+      lines.append(f"| {r.get('chip', 'h200')} | {r['layout']} | {r['batch']} | {kind} | {a['arg_bytes'] / gib:.2f} GiB | "
                    f"{a['temp_bytes'] / gib:.2f} GiB | {a['flops'] / 1e12:.3f} | {a['bytes'] / gb:.2f} | "
-                   f"{colls or 'none'} | {a['t_roofline_s'] * 1e3:.2f} | {a['t_collectives_s'] * 1e3:.2f} | {tps} |")
+                   f"{colls or 'none'} | {a['t_roofline_s'] * 1e3:.2f} | {a['t_collectives_s'] * 1e3:.2f} "
+                   f"| {a.get('t_realistic_s', float('nan')) * 1e3:.2f} | {tps} | {rtps} |")
   return "\n".join(lines)
 
 
@@ -224,10 +251,12 @@ def main(argv=None) -> int:
   ap.add_argument("--layouts", nargs="+", default=["tensor=8", "tensor=4,expert=2", "expert=8"])
   ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
   ap.add_argument("--moe-impl", default="dense", choices=["dense", "ragged"])
+  ap.add_argument("--chip", default="h200", choices=sorted({*hardware.CHIPS, *hardware.TPUS}),
+                  help="the chips of the mesh (TPUs need libtpu: pip install -e '.[tpu]')")
   ap.add_argument("--json", default=None, help="also write the raw numbers here")
   args = ap.parse_args(argv)
   layouts = [sharding.parse_mesh(s) for s in args.layouts]
-  rows = run(layouts, args.batches, args.moe_impl)
+  rows = run(layouts, args.batches, args.moe_impl, args.chip)
   print(table(rows))
   if args.json:
     with open(args.json, "w") as f:

@@ -130,9 +130,29 @@ def charges_for(chip: hardware.Chip, case: str = "central", **kw) -> Charges:
                  resident_blocks=chip.resident_blocks, **{**ends[case], **kw})
 
 
+def charges_for_tpu(tpu: hardware.Tpu, case: str = "central") -> Charges:
+  """A TPU's charges, all assumed (no TPU has run this code): HBM at hbm_fraction of the spec and the MXU at
+  mxu_fraction (0.85 and 0.80; slow end 10% below, fast end 0.95 and 0.90), each XLA op 1 us of fill and
+  drain (0.5 - 1.5 us; a TPU runs a program's ops back to back from its own instruction stream, so there is
+  no launch and no graph to save one), loops and conditionals on the chip (no host read). Every kernel class
+  at the same fractions: XLA emits all of them."""
+  frac = {"central": (tpu.hbm_fraction, tpu.mxu_fraction, 1.0),
+          "slow": (0.9 * tpu.hbm_fraction, 0.9 * tpu.mxu_fraction, 1.5), "fast": (0.95, 0.90, 0.5)}
+  if case not in frac:
+    raise ValueError(f"charges_for_tpu: case {case!r}; choose from {', '.join(frac)}")
+  hbm, mxu, op_us = frac[case]
+  return Charges(hbm_bytes_per_s=hbm * tpu.hbm_bytes_per_s, bf16_flops=mxu * tpu.bf16_flops,
+                 eight_bit_flops=mxu * tpu.int8_flops, kernel_us=op_us, graph_kernel_us=op_us,
+                 graph_min_kernels=1 << 30, sync_us=0.0, empty_wave_us=0.0, skew=0.0 if case == "fast" else
+                 (ROUTER_SKEW if case == "slow" else grouped_gemm.PLAN_SKEW),
+                 efficiency=Efficiency(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0))
+
+
 CHARGES = {key: charges_for(chip) for key, chip in hardware.CHIPS.items()}
+CHARGES.update({key: charges_for_tpu(tpu) for key, tpu in hardware.TPUS.items()})
 # The range's ends per chip: (slow, fast).
 RANGES = {key: (charges_for(chip, "slow"), charges_for(chip, "fast")) for key, chip in hardware.CHIPS.items()}
+RANGES.update({key: (charges_for_tpu(tpu, "slow"), charges_for_tpu(tpu, "fast")) for key, tpu in hardware.TPUS.items()})
 H200, H100 = CHARGES["h200"], CHARGES["h100"]
 
 # Instructions that launch nothing (views, tuples, constants) or that are control flow (counted apart).
@@ -401,9 +421,20 @@ def grouped_call(mod: Module, result: str, rest: str, ch: Charges) -> dict[str, 
   the charges' router spreads them: its tiles (grouped_gemm.tiles), the bytes of its [G, K, N] weight
   operands and the bytes its tiles read of them (each row tile reads its group's weights; a group no row
   reaches is not read), and whether its rows are 8-bit (W8A8: the 8-bit tensor cores)."""
+  ins, outs = mod.operands(rest), arrays(result)
+  if _TPU_RAGGED.search(rest):  # XLA TPU's ragged dot kernel: x [M, K], w [G, K, N] among its operands
+    x = next((a for a in ins if len(a[1]) == 2 and a[0] not in ("s32", "u32")), None)
+    w = next((a for a in ins if len(a[1]) == 3), None)
+    if x is None or w is None or not outs:
+      return None
+    (M, K), (G, _, N) = x[1], w[1]
+    busy = G - idle_groups(M, G)  # each group's weights read once; its tiling is the compiler's
+    t = {"routed_flops": 2.0 * M * K * N, "padded_flops": 2.0 * M * K * N, "weight_tiles": busy,
+         "blocks": 0, "working_blocks": 0}
+    wb = _DT_BYTES[w[0]] * K * N
+    return {"tiles": t, "weight_bytes": G * wb, "weight_bytes_read": busy * wb, "eight_bit": x[0] in _EIGHT_BIT}
   if not _TRITON.search(rest):
     return None
-  ins, outs = mod.operands(rest), arrays(result)
   own = own_grouped_call(rest, ins, outs)
   if own is not None:
     G, K, N = own["G"], own["K"], own["N"]
@@ -433,6 +464,12 @@ def grouped_gemms(mod: Module, ch: Charges) -> GroupedGemm:
   return out
 
 
+def idle_groups(M: int, G: int) -> float:
+  """Expected groups that M rows routed uniformly at random leave empty: G (1 - 1/G)^M."""
+  return G * (1.0 - 1.0 / G) ** M
+
+
+_TPU_RAGGED = re.compile(r'custom_call_target="tpu_custom_call".*op_name="[^"]*ragged[-_]dot')
 _EIGHT_BIT = ("s8", "u8", "f8e4m3fn", "f8e5m2")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)')

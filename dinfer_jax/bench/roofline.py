@@ -86,6 +86,15 @@ def roofline_s(chip: hardware.Chip, flops: float, nbytes: float) -> float:
 
 
 CHIPS = hardware.CHIPS
+ALL_CHIPS = {**hardware.CHIPS, **hardware.TPUS}
+
+
+def libtpu_available() -> bool:
+  """Whether libtpu is installed (`pip install -e ".[tpu]"`): it compiles for TPUs without one."""
+  try:
+    return importlib.util.find_spec("libtpu") is not None
+  except ImportError:
+    return False
 
 
 def cuda_plugin_available() -> bool:
@@ -103,11 +112,22 @@ def cuda_plugin_available() -> bool:
 class Target:
   """Where to compile: abstract inputs carry the target's sharding; kernel choices are traced for it."""
 
-  def __init__(self, kind: str, chip: hardware.Chip):
-    if kind not in ("cuda", "cpu"):
-      raise ValueError(f"--target {kind!r}: choose cuda or cpu")
+  def __init__(self, kind: str, chip: hardware.Chip | hardware.Tpu):
+    if kind not in ("cuda", "cpu", "tpu"):
+      raise ValueError(f"--target {kind!r}: choose cuda, tpu or cpu")
+    if (kind == "tpu") != isinstance(chip, hardware.Tpu):
+      raise ValueError(f"--target {kind}: chip {chip.key} is not one ({'a TPU' if kind == 'tpu' else 'a GPU'})")
     self.kind, self.chip = kind, chip
     self.sharding = self.mesh = None
+    if kind == "tpu":
+      if not libtpu_available():
+        raise ValueError(f"chip {chip.key}: a deviceless TPU compile needs libtpu: pip install -e '.[tpu]'")
+      # libtpu asks the cloud metadata server what it runs on unless told not to (no network here).
+      os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+      topo = topologies.get_topology_desc(topology_name=f"{chip.key}:1x1", platform="tpu",
+                                          chips_per_host_bounds=(1, 1, 1))
+      self.mesh = topologies.make_mesh(topo, (1,), ("x",))
+      self.sharding = NamedSharding(self.mesh, PartitionSpec())
     if kind == "cuda":
       if not cuda_plugin_available():
         raise ValueError("--target cuda needs the CUDA plugin: pip install 'jax[cuda12]' or 'jax[cuda13]' (or use "
@@ -119,11 +139,13 @@ class Target:
 
   @property
   def label(self) -> str:
-    return f"{self.chip.name} (deviceless CUDA compile)" if self.kind == "cuda" else "CPU compile (CPU-optimised HLO, not a GPU prediction)"
+    if self.kind in ("cuda", "tpu"):
+      return f"{self.chip.name} (deviceless {self.kind.upper()} compile)"
+    return "CPU compile (CPU-optimised HLO, not a GPU prediction)"
 
   @property
   def backend(self) -> str:
-    return "gpu" if self.kind == "cuda" else "cpu"
+    return {"cuda": "gpu", "tpu": "tpu"}.get(self.kind, "cpu")
 
   def abstract(self, tree):
     def one(a):
@@ -135,10 +157,10 @@ class Target:
     # process has none ("No supported GPU devices found" otherwise; jax 0.10 did not ask): the topology's.
     abstract = (jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh) if self.mesh is not None
                 else contextlib.nullcontext())
-    with moe.target_backend(self.backend), hardware.target(self.chip.key), deviceless_tokamax(self.kind == "cuda"), \
-        abstract:
+    tuned = hardware.target(self.chip.key) if self.kind != "tpu" else contextlib.nullcontext()
+    with moe.target_backend(self.backend), tuned, deviceless_tokamax(self.kind == "cuda"), abstract:
       t = time.perf_counter()
-      jf = jax.jit(fn, donate_argnums=donate if self.kind == "cuda" else (),
+      jf = jax.jit(fn, donate_argnums=donate if self.kind != "cpu" else (),
                    compiler_options=options or None)
       compiled = jf.lower(*args).compile()
       return compiled, time.perf_counter() - t
@@ -458,7 +480,8 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     # nodes (captured when the executable loads on a GPU: a deviceless compile cannot show it), unless the loop
     # calls the host.
     commands = set(options.get("xla_gpu_enable_command_buffer", "").split(","))
-    device_loop = {"WHILE", "CONDITIONAL"} <= commands and mc.host_ops == 0
+    # A TPU runs a program's loops and conditionals on the chip (its scalar unit): no host read per step.
+    device_loop = (target.kind == "tpu" or {"WHILE", "CONDITIONAL"} <= commands) and mc.host_ops == 0
     rows.append({"preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch,
                  "cache": cache, "weights": weights, "kind": "generate", "tokens": Tc, **memory(compiled), "host_ops": mc.host_ops,
                  "while_loops": sum(len(mc._loops(c)) for c in mc.comps), "compile_s": compile_s, "setting": setting,
@@ -619,8 +642,9 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
       raise ValueError(f"--setting {setting}: no known tokens-per-forward figure for it; give --tpf")
   rows, predictions, label = [], [], ""
   for chip_name in chips:
-    target = Target(target_kind, CHIPS[chip_name])
-    label = target.label if target_kind == "cpu" else "deviceless CUDA compile"
+    kind = "tpu" if chip_name in hardware.TPUS else target_kind
+    target = Target(kind, ALL_CHIPS[chip_name])
+    label = target.label if kind == "cpu" else f"deviceless {kind.upper()} compile"
     chip_rows = []
     for w in weights:
       for cache in caches:
@@ -636,7 +660,7 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
     # The range: the same prediction with every charge at its slow end, and at its fast end.
     slow, fast = (predict(as_case(chip_rows, case), preset_name, tpf, ch)
                   for case, ch in zip(("slow", "fast"), realistic.RANGES[chip_name]))
-    predictions += [dict(p, chip=CHIPS[chip_name].name,
+    predictions += [dict(p, chip=ALL_CHIPS[chip_name].name,
                          realistic_tps_per_seq_range=[lo["realistic_tps_per_seq"], hi["realistic_tps_per_seq"]],
                          realistic_tps_aggregate_range=[lo["realistic_tps_aggregate"], hi["realistic_tps_aggregate"]])
                     for p, lo, hi in zip(predict(chip_rows, preset_name, tpf, realistic.CHARGES[chip_name]), slow, fast)]
@@ -646,7 +670,7 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
                                            for c in chips},
                          "tpf": tpf, "rows": rows, "predictions": predictions, "jax": jax.__version__,
                          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-  out.update(summary(rows, predictions, CHIPS[chips[0]].name, weights))
+  out.update(summary(rows, predictions, ALL_CHIPS[chips[0]].name, weights))
   return out
 
 
@@ -759,7 +783,8 @@ def markdown(res: dict[str, Any]) -> str:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   ap.add_argument("--preset", default="llada_moe_7b_a1b", choices=sorted(presets.PRESETS))
-  ap.add_argument("--chips", default="h200", help=f"comma list of {', '.join(CHIPS)}")
+  ap.add_argument("--chips", default="h200", help=f"comma list of {', '.join(ALL_CHIPS)} (TPUs: a deviceless TPU "
+                  "compile, with libtpu: pip install -e '.[tpu]')")
   ap.add_argument("--batches", default="1,8")
   ap.add_argument("--caches", default="dual", help="comma list of none, prefix, dual")
   ap.add_argument("--target", default=None, choices=["cuda", "cpu"],
@@ -777,9 +802,9 @@ def main(argv=None) -> int:
   ap.add_argument("--json", dest="json_out", default=None)
   args = ap.parse_args(argv)
   chips = [c.strip() for c in args.chips.split(",") if c.strip()]
-  bad = [c for c in chips if c not in CHIPS]
+  bad = [c for c in chips if c not in ALL_CHIPS]
   if bad:
-    raise SystemExit(f"--chips: unknown {bad}; choose from {', '.join(CHIPS)}")
+    raise SystemExit(f"--chips: unknown {bad}; choose from {', '.join(ALL_CHIPS)}")
   try:
     batches = [int(b) for b in args.batches.split(",")]
   except ValueError:

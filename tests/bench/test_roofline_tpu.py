@@ -1,0 +1,50 @@
+"""The roofline bench's deviceless TPU compile (libtpu; `pip install -e ".[tpu]"`). Skipped without libtpu,
+which CI does not install (about 700 MB): run it with the tpu extra installed."""
+from __future__ import annotations
+
+import pytest
+
+from dinfer_jax import hardware
+from dinfer_jax.bench import realistic, roofline
+
+pytestmark = pytest.mark.skipif(not roofline.libtpu_available(), reason="libtpu not installed (pip install -e '.[tpu]')")
+
+
+def test_tiny_preset_compiles_for_a_v6e_chip():
+  """The generate program and the forwards compile for a v6e without one: the XLA kernels the engine picks on
+  a TPU (no Pallas-Triton: dense MoE at the tiny preset's token counts, XLA attention), the loop on the chip
+  (no host syncs), the spec peaks as the ideal charges and the chip's HBM in the rows."""
+  res = roofline.run("tiny", ["v6e"], [1], ["dual"], "cpu", progress=None)
+  assert res["label"] == "deviceless TPU compile"
+  rows = {r["kind"]: r for r in res["rows"]}
+  assert set(rows) == {"refresh", "cached", "generate"}
+  assert all(r["chip"] == hardware.TPUS["v6e"].name for r in res["rows"])
+  assert rows["generate"]["device_loop"] and rows["generate"]["host_syncs_per_step"] == 0
+  assert rows["cached"]["moe_impl"] == "dense" and rows["cached"]["kernel_calls"] == 0  # no Pallas-Triton
+  ideal = roofline.roofline_s(hardware.TPUS["v6e"], rows["cached"]["flops"], rows["cached"]["bytes"])
+  assert rows["cached"]["roofline_ms"] == pytest.approx(1e3 * ideal)
+  lo, hi = res["realistic_tps_batch1_range"]
+  assert lo < res["realistic_tps_batch1"] < hi
+  assert realistic.CHARGES["v6e"].sync_us == 0 and realistic.CHARGES["v6e"].hbm_bytes_per_s < 1638e9
+
+
+def test_tpu_and_gpu_chips_do_not_mix_targets():
+  with pytest.raises(ValueError, match="not one"):
+    roofline.Target("tpu", hardware.CHIPS["h200"])
+  with pytest.raises(ValueError, match="not one"):
+    roofline.Target("cpu", hardware.TPUS["v6e"])
+
+
+def test_a_v6e_slice_compiles_the_sharded_forward():
+  """A 2 x 2 v6e slice as a tensor x expert mesh (bench.mesh_compile): the cached forward compiles with the
+  collectives XLA inserts for it, charged at half the chip's bidirectional inter-chip bandwidth."""
+  from dinfer_jax.bench import mesh_compile, presets
+  mesh = mesh_compile.topology_mesh({"tensor": 2, "expert": 2}, "v6e")
+  assert mesh.size == 4 and all(d.platform == "tpu" for d in mesh.devices.flat)
+  a = mesh_compile.analyse(mesh_compile.compile_forward(presets.get("tiny").model(), mesh, 1, "cached"), 4, "v6e")
+  assert a["collectives"] and a["t_collectives_s"] > 0 and a["kernels"] > 0
+  link = hardware.TPUS["v6e"].ici_bytes_per_s / 2
+  assert a["t_collectives_s"] == pytest.approx(mesh_compile.collective_seconds(a["collectives"], 4, link))
+  assert a["t_realistic_s"] > a["t_forward_s"]  # the per-op floors and achievable fractions
+  with pytest.raises(ValueError, match="mesh of 3 v6e chips"):
+    mesh_compile.topology_mesh({"tensor": 3}, "v6e")
