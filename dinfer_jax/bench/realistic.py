@@ -177,6 +177,25 @@ def arrays(s: str) -> list[tuple[str, tuple[int, ...]]]:
   return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(s)]
 
 
+_ARRAY_LAYOUT = re.compile(_ARRAY.pattern + r"(\{[^}]*\})?")
+_ON_CHIP = re.compile(r"S\([1-9]\d*\)")
+
+
+def hbm_arrays(s: str) -> list[tuple[str, tuple[int, ...]]]:
+  """The arrays of a type that live in HBM: a TPU layout's memory space S(1) (VMEM) or S(2) (on-chip
+  scalars) is on the chip; GPU layouts name none."""
+  return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims, layout in _ARRAY_LAYOUT.findall(s)
+          if not _ON_CHIP.search(layout)]
+
+
+_VMEM = "S(1)"
+
+
+def _layouts(s: str) -> list[str]:
+  """Each array's layout text in a type, in the order arrays() lists them ("" where none is printed)."""
+  return [layout for _, _, layout in _ARRAY_LAYOUT.findall(s)]
+
+
 def nbytes(arrs) -> int:
   return sum(_DT_BYTES[dt] * int(np.prod(shape)) for dt, shape in arrs)
 
@@ -204,9 +223,10 @@ class Module:
     if self.entry is None:
       raise ValueError("HLO module text has no ENTRY computation")
 
-  def operands(self, rest: str) -> list[tuple[str, tuple[int, ...]]]:
-    """The arrays an instruction reads: its operand list looked up by name."""
-    return [a for name in _operand_names(rest) for a in arrays(self.shapes.get(name, ""))]
+  def operands(self, rest: str, hbm: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """The arrays an instruction reads: its operand list looked up by name (hbm: those in HBM only)."""
+    of = hbm_arrays if hbm else arrays
+    return [a for name in _operand_names(rest) for a in of(self.shapes.get(name, ""))]
 
   def ops_in(self, comp: str) -> set[str]:
     return {op for _, _, op, _ in self.comps.get(comp, [])}
@@ -266,7 +286,7 @@ def kernels(mod: Module, ch: Charges, comp: str | None = None, nested: bool = Tr
     run = 0
 
   for _, _, op, rest in mod.comps.get(comp, []):
-    if op in _FREE:
+    if op in _FREE or op.endswith("-done"):  # an async pair launches once (its start)
       continue
     if op in _CONTROL:
       close()
@@ -329,7 +349,7 @@ def overcharges(mod: Module) -> dict[str, float]:
         continue
       body = mod.comps[called.group(1)]
       inner = {iop for _, _, iop, _ in body}
-      outs, ins = arrays(result), mod.operands(rest)
+      outs, ins = hbm_arrays(result), mod.operands(rest, hbm=True)
       e = 0.0
       if "gather" in inner:
         out_bytes = nbytes(outs)
@@ -356,7 +376,7 @@ def overcharges(mod: Module) -> dict[str, float]:
             else:
               ok = False
         if ok and sliced:
-          e += max(nbytes(arrays(presult)) - sliced, 0)
+          e += max(nbytes(hbm_arrays(presult)) - sliced, 0)
       if e:
         extra[name] = e
   return extra
@@ -472,20 +492,35 @@ def idle_groups(M: int, G: int) -> float:
 _TPU_RAGGED = re.compile(r'custom_call_target="tpu_custom_call".*op_name="[^"]*ragged[-_]dot')
 _EIGHT_BIT = ("s8", "u8", "f8e4m3fn", "f8e5m2")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->(\w+)")
+_WINDOW = re.compile(r"window=\{size=([\dx]+)")
 _CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)')
 _CUBLAS_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _CUDNN = re.compile(r'custom_call_target="__cudnn\$fmha')
 
 
 def dot_flops(mod: Module, comp: str) -> tuple[float, float]:
-  """(FLOPs, of which 8-bit x 8-bit) of the dots in a computation (a GEMM fusion's body)."""
+  """(FLOPs, of which 8-bit x 8-bit) of the dots in a computation (a GEMM fusion's body), and of the
+  convolutions XLA TPU writes them as: 2 x output elements x the kernel's input features, times the window's
+  taps where the window is summed whole (a spatial output of size 1: heads or experts contracted); a window
+  that slides (a dilated or padded one: heads or experts as a batch) adds one tap per output."""
   total = eight = 0.0
   for _, result, iop, irest in mod.comps.get(comp, []):
-    if iop != "dot":
+    if iop not in ("dot", "convolution"):
       continue
     ins = mod.operands(irest)
-    c = _CONTRACT.search(irest)
-    k = np.prod([ins[0][1][int(d)] for d in c.group(1).split(",") if d]) if (c and ins) else 1
+    if iop == "convolution":  # XLA TPU's dots: input features (i) and, where the window is summed whole
+      lab = _DIM_LABELS.search(irest)  # (an output of spatial size 1), its taps contracted; else it is a batch
+      k = 1
+      if lab and len(ins) == 2:
+        k = np.prod([n for n, c in zip(ins[1][1], lab.group(1)) if c == "i"])
+        out_shape = arrays(result)[0][1]
+        win = _WINDOW.search(irest)
+        if win and all(n == 1 for n, c in zip(out_shape, lab.group(2)) if c.isdigit()):
+          k *= np.prod([int(x) for x in win.group(1).split("x")])
+    else:
+      c = _CONTRACT.search(irest)
+      k = np.prod([ins[0][1][int(d)] for d in c.group(1).split(",") if d]) if (c and ins) else 1
     f = 2.0 * float(np.prod(arrays(result)[0][1])) * float(k)
     total += f
     if len(ins) == 2 and all(dt in _EIGHT_BIT for dt, _ in ins):
@@ -709,7 +744,7 @@ def kernel_costs(mod: Module, ch: Charges, comp: str | None = None, nested: bool
 
   def walk(c: str, times: int) -> None:
     for name, result, op, rest in mod.comps.get(c, []):
-      if op in _FREE:
+      if op in _FREE or op.endswith("-done"):
         continue
       if op in _CONTROL:
         if not nested:
@@ -724,7 +759,13 @@ def kernel_costs(mod: Module, ch: Charges, comp: str | None = None, nested: bool
           walk(m.group(1), times)
         continue
       ins = mod.operands(rest)
-      moved = nbytes(ins) + nbytes(arrays(result)) - over.get(name, 0.0)
+      if op.endswith("-start"):  # an async copy (a TPU's HBM <-> VMEM DMA): what it moves, once
+        into_vmem = nbytes([a for a, layout in zip(arrays(result), _layouts(result)) if _VMEM in layout])
+        moved = max(into_vmem, nbytes(hbm_arrays(result)) - nbytes(ins[:1]))
+        out.append(KernelCost(name, "memory", max(float(moved), 0.0), 0.0, 0.0, times))
+        continue
+      # Operands and results in HBM: a TPU kernel reading what a DMA put in VMEM does not read HBM.
+      moved = nbytes(mod.operands(rest, hbm=True)) + nbytes(hbm_arrays(result)) - over.get(name, 0.0)
       cls, flops, eight = "memory", 0.0, 0.0
       called = _CALLS.search(rest) if op == "fusion" else None
       if called:

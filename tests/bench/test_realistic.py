@@ -549,3 +549,29 @@ def test_block_entry_is_costed_by_how_often_each_branch_runs():
     realistic.specialize(_GENERATE_TAIL, "tail_entry", "q", 0)
   with pytest.raises(ValueError, match="no branch 2"):
     realistic.specialize(_GENERATE_TAIL, "tail_entry", "r", 2)
+
+
+def test_a_tpu_dma_into_vmem_is_charged_once():
+  """A TPU module: an async slice copies 4 MB of an 8 MB HBM buffer into VMEM (memory space S(1)); the fusion
+  that reads it there and writes 1 KB to HBM reads no HBM itself. Charged: the 4 MB once (at the start, the
+  done launches nothing) and the fusion's 1 KB; XLA's cost analysis would see the VMEM reads as bytes too."""
+  text = """HloModule tpu
+
+%fused_neg (p: f32[1048576]) -> f32[256] {
+  %p = f32[1048576]{0:T(1024)S(1)} parameter(0)
+  %s = f32[256]{0:T(256)} slice(%p), slice={[0:256]}
+  ROOT %n = f32[256]{0:T(256)} negate(%s)
+}
+
+ENTRY %main (w: s8[8388608]) -> f32[256] {
+  %w = s8[8388608]{0:T(1024)} parameter(0)
+  %ss = ((s8[8388608]{0:T(1024)}), s8[4194304]{0:T(1024)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:4194304]}
+  %sd = s8[4194304]{0:T(1024)S(1)} slice-done(%ss)
+  %b = f32[1048576]{0:T(1024)S(1)} bitcast(%sd)
+  ROOT %f = f32[256]{0:T(256)} fusion(%b), kind=kLoop, calls=%fused_neg
+}
+"""
+  mod = realistic.Module(text)
+  costs = {k.name: k.bytes for k in realistic.kernel_costs(mod, realistic.CHARGES["v6e"])}
+  assert costs == {"ss": 4194304, "f": 1024}
+  assert realistic.kernels(mod, realistic.CHARGES["v6e"]).total == 2
