@@ -41,9 +41,12 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -59,7 +62,8 @@ from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
 from dinfer_jax.config import MOE_IMPLS, ModelConfig
 from dinfer_jax.engine import generate as gen_lib
 from dinfer_jax.engine.stepped import JitRunner, stepped_generate
-from dinfer_jax.model import grouped_gemm, moe, params as params_lib, quant
+from dinfer_jax.model import grouped_gemm, moe, quant
+from dinfer_jax.model import params as params_lib
 
 DINFER_TPF = roofline.DINFER_TPF
 PREDICTED_DIR = pathlib.Path(__file__).parent / "predicted"
@@ -233,6 +237,7 @@ class Item:
   weights: str = "bf16"
   safe: bool = False
   host_loop: bool = False
+  dump: bool = False  # XLA's thunk sequence of its programs (command_buffers reads it)
 
   def env(self) -> dict[str, str]:
     """The environment the item's process runs under (engine switches read when a program is traced)."""
@@ -254,7 +259,7 @@ def plan(args: argparse.Namespace) -> list[Item]:
               Item("generate_b1_threshold_safe", "generate", 80, safe=True),
               Item("forwards_b1", "forwards", 70),
               Item("generate_b1_threshold_host_loop", "generate", 70, host_loop=True),
-              Item("generate_b1_threshold", "generate", 80),
+              Item("generate_b1_threshold", "generate", 80, dump=True),
               Item("generate_b1_dinfer", "generate", 80, setting="dinfer"),
               Item("stepped_b1_threshold", "stepped", 60)]
   for w in args.weights:  # 8-bit weights (issue 21): quantised on the device from the random bf16 ones
@@ -310,6 +315,62 @@ def run_item(args: argparse.Namespace, item: Item) -> dict[str, Any]:
   return {"env": env, "result": dict(out, init_s=init_s)}
 
 
+_THUNK = re.compile(r"^(\s*)(\d+): (k\w+)")
+
+
+def loop_thunks(text: str) -> dict[str, int]:
+  """Reads a GPU thunk sequence as XLA dumps it (`N: kKind ...` lines, nested thunks indented under their
+  parent): the while and conditional thunks XLA runs from the host (at the top level, or nested in other host
+  loops) and those inside a command buffer (kCommandBuffer: captured into a CUDA graph, where a while is a
+  graph conditional node and reads no predicate on the host)."""
+  out = {"host_whiles": 0, "host_conditionals": 0, "graph_whiles": 0, "graph_conditionals": 0,
+         "command_buffers": 0}
+  stack: list[tuple[int, str]] = []  # (indent, kind) of the enclosing thunks
+  for line in text.splitlines():
+    m = _THUNK.match(line)
+    if not m:
+      continue
+    indent, kind = len(m.group(1)), m.group(3)
+    while stack and stack[-1][0] >= indent:
+      stack.pop()
+    in_graph = any(k == "kCommandBuffer" for _, k in stack)
+    if kind == "kCommandBuffer":
+      out["command_buffers"] += 1
+    elif kind in ("kWhile", "kConditional"):
+      what = "whiles" if kind == "kWhile" else "conditionals"
+      out[f"{'graph' if in_graph else 'host'}_{what}"] += 1
+    stack.append((indent, kind))
+  return out
+
+
+def command_buffers(dump: pathlib.Path, keep: pathlib.Path | None = None) -> dict[str, Any]:
+  """What XLA made of the generate program's loops on this device, read off its thunk sequence after the
+  thunk passes (command-buffer conversion is one; older XLA dumps only the sequence before them): whiles and
+  conditionals left to the host (each iteration reads a predicate on the host) against those inside CUDA
+  graphs. The largest program's file is read (the generate program); `keep` gets a copy of it."""
+  files = sorted(dump.glob("*thunk_sequence_after_thunk_passes.txt")) or sorted(dump.glob("*thunk_sequence.txt"))
+  if not files:
+    return {"found": False, "why": f"no thunk sequence in XLA's dump ({len(list(dump.iterdir()))} files)"}
+  f = max(files, key=lambda p: p.stat().st_size)
+  text = f.read_text(errors="replace")
+  if keep is not None:
+    keep.write_text(text)
+  return dict(loop_thunks(text), found=True, file=f.name, after_passes="after_thunk_passes" in f.name)
+
+
+def command_buffer_line(cb: dict[str, Any]) -> str:
+  """The markdown summary of command_buffers()."""
+  if not cb.get("found"):
+    return f"Loops on the device: unknown ({cb.get('why')})"
+  host = cb["host_whiles"] + cb["host_conditionals"]
+  as_run = "0 host syncs per step" if host == 0 else (
+      f"{cb['host_whiles']} while(s) and {cb['host_conditionals']} conditional(s) left to the host: each "
+      "iteration of those reads a predicate on the host")
+  return (f"Loops on the device (XLA's thunks{' after its thunk passes' if cb['after_passes'] else ''}, "
+          f"{cb['file']}): {cb['graph_whiles']} while(s) and {cb['graph_conditionals']} conditional(s) inside "
+          f"{cb['command_buffers']} CUDA graph(s); {as_run}")
+
+
 def _signal_name(returncode: int) -> str:
   try:
     return f"signal {signal.Signals(-returncode).name}"
@@ -346,10 +407,14 @@ class Check:
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "dinfer_jax.bench.gpu_check", *self.args.argv, "--item", item.name,
            "--item-result", str(result_path)]
+    env = dict(os.environ, **item.env())
+    dump = None
+    if item.dump:  # the compiled programs' thunks, for what XLA made of the loops (outside OUT: tens of MB)
+      dump = pathlib.Path(tempfile.mkdtemp(prefix=f"gpu_check_{item.name}_"))
+      env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
     t = time.perf_counter()
     with open(log_path, "w") as log:
-      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                              env=dict(os.environ, **item.env()))
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
       try:
         rc = proc.wait(limit)
         how = None if rc == 0 else (_signal_name(rc) if rc < 0 else f"exit status {rc}")
@@ -372,6 +437,9 @@ class Check:
     out = dict(got["result"], item_s=item_s, **({"safe": True} if item.safe else {}),
                **({"host_loop": True} if item.host_loop else {}))
     self.attach_prediction(item, out)
+    if dump is not None:
+      out["command_buffers"] = command_buffers(dump, keep=logs / f"{item.name}.thunk_sequence.txt")
+      shutil.rmtree(dump, ignore_errors=True)
     self.res["items"][item.name] = out
     self.derive()
     print(f"[{self.elapsed():.0f}s] {item.name}: {_short(out)}", flush=True)
@@ -528,6 +596,10 @@ def markdown(res: dict[str, Any]) -> str:
     lines.append(f"Device-driven loop (CUDA-graph conditionals) vs host-driven (DINFER_JAX_DEVICE_LOOP=0), batch 1: "
                  f"{hl['device_loop_speedup']:.3f}x, about {hl['saved_syncs_per_step']:.2f} host syncs saved per "
                  "forward (0: its loops did not become graph conditionals)")
+    lines.append("")
+  cb = (items.get("generate_b1_threshold") or {}).get("command_buffers")
+  if cb:
+    lines.append(command_buffer_line(cb))
     lines.append("")
   sf = items.get("generate_b1_threshold_safe")
   if sf and "engine_kernels_speedup" in sf:
