@@ -55,6 +55,7 @@ def pytest_sessionfinish(session, exitstatus):
 SLOW_CASES = (
     # "+a8g" through the grouped kernels: int8 keeps the path and the outlier claim in the default run.
     "tests/model/test_grouped_gemm.py::test_grouped_kernels_with_a_scale_per_128_columns[fp8]",
+    "tests/model/test_quant.py::test_a8g_einsum_rounds_each_run_of_128[fp8]",
     "tests/bench/test_bench.py::test_gpu_check_rehearsal_on_cpu",  # gpu_check.sh's rehearsal covers batch 1
     "tests/engine/test_engine_vs_reference.py::test_prefix_windows_shrink_batch3",
     "tests/engine/test_engine_vs_reference.py::test_batch3_rows_equal_reference[threshold-prefix-plain]",
