@@ -536,13 +536,6 @@ def attention_flops(ins) -> float:
   return 4.0 * B * N * T * S * H
 
 
-def eight_bit_dot_flops(mod: Module) -> float:
-  """FLOPs of the XLA GEMMs (kCustom fusions: Triton GEMMs) whose dot multiplies two 8-bit operands: the
-  W8A8 products, which run on the 8-bit tensor cores."""
-  return sum(dot_flops(mod, _CALLS.search(rest).group(1))[1] for comp in mod.comps.values()
-             for _, _, op, rest in comp if op == "fusion" and "kind=kCustom" in rest and _CALLS.search(rest))
-
-
 def dequantized_copies(mod: Module) -> float:
   """Bytes written by kernels that turn an 8-bit array into a wider one of as many elements outside a GEMM:
   a dequantised weight materialised in HBM (a GEMM that reads 8-bit weights converts them in its operand

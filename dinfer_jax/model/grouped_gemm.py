@@ -37,6 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from dinfer_jax import hardware
 from dinfer_jax.model import quant
 from dinfer_jax.model.layers import rms_normalize
 
@@ -73,7 +74,9 @@ class Plan:
 # router, 0.75 the embedded default model's trained router as measured (bench/router_skew.py). Tiles are
 # chosen for a router in between (LLaDA-MoE trains with a balancing loss; the default model did not).
 PLAN_SKEW = 0.5
-_PLAN_BYTES_PER_S, _PLAN_FLOPS = 4.3e12, 790e12  # the tile choice's rates (an H200's achievable; ratios matter)
+# The tile choice's rates: an H200's achievable ones from the hardware table, whatever the target (tuning per
+# chip would move some H100 tiles, e.g. 10240 rows: 64 x 6 -> 128 x 4; its predictions were made with these).
+_PLAN_CHIP = hardware.CHIPS["h200"]
 
 
 def popularity(G: int, skew: float) -> np.ndarray:
@@ -124,14 +127,15 @@ def plan(M: int, G: int, K: int, N: int, n_weights: int = 1, weight_bytes: int =
   1 us). The column tiles of a row tile share its rows through L2. Of pairs within 1% of the least, the
   largest tile, then the fewest slots. Slots range from what a group of average load needs to twice that."""
   rows = M / G
-  resident = 132 * 8
+  chip = _PLAN_CHIP
 
   def cost(bm: int, slots: int) -> float:
     e = expected_tiles(M, G, bm, PLAN_SKEW, slots)
     moved = e["passes"] * K * N * n_weights * weight_bytes + e["tiles"] * bm * K * 2 + M * N * 2
     cols = math.ceil(N / Plan(bm, slots).block_n(n_weights))
     empty = cols * (slots * G - min(slots * e["busy"], e["tiles"]))
-    return max(moved / _PLAN_BYTES_PER_S, 2.0 * e["tiles"] * bm * K * N * n_weights / _PLAN_FLOPS) + 1e-6 * empty / resident
+    return (max(moved / chip.copy_bytes_per_s, 2.0 * e["tiles"] * bm * K * N * n_weights / chip.gemm_flops)
+            + chip.empty_wave_s * empty / chip.resident_blocks)
 
   # Small tiles only where the GEMM streams weights (a 16-row tile runs the tensor cores at a fraction).
   costs = {}

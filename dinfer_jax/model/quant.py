@@ -497,9 +497,9 @@ def _act8_grouped(xs: str, ws: str, out: str, xf: jax.Array, w, axes: tuple[int,
   K = xf.shape[axes[-1]]
   if K % group:
     raise ValueError(f"8-bit activations in groups of {group}: contracted axis of {K} is not a multiple")
-  split = lambda a, spec, i: a.reshape(a.shape[:i] + (K // group, group) + a.shape[i + 1:])  # noqa: E731
-  xg = split(xf, xs, axes[-1])
-  qv = split(w.qvalue, ws, ws.index(c))
+  split = lambda a, i: a.reshape(a.shape[:i] + (K // group, group) + a.shape[i + 1:])  # noqa: E731
+  xg = split(xf, axes[-1])
+  qv = split(w.qvalue, ws.index(c))
   xs2, ws2 = xs.replace(c, g + c), ws.replace(c, g + c)
   others = [ch for ch in xs if ch not in out and ch != c]
   out2 = out + "".join(others) + g

@@ -201,7 +201,6 @@ ENTRY %main (x8: f8e4m3fn[1280,2048], x: bf16[1280,2048], q: f8e4m3fn[2048,1024]
 """
   mod = realistic.Module(text)
   one = 2.0 * 1280 * 2048 * 1024
-  assert realistic.eight_bit_dot_flops(mod) == one
   ch = realistic.H200
   t = realistic.forward_time({"bytes": 1e6, "flops": 2 * one}, mod, ch)
   assert t["eight_bit_flops"] == one and t["realistic_flops"] == 2 * one
