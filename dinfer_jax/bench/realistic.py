@@ -99,6 +99,11 @@ class Charges:
   graph_kernel_us: float = 2.25  # each kernel inside a CUDA graph (2-2.5 us: the range's ends)
   graph_min_kernels: int = 5  # XLA's xla_gpu_graph_min_graph_size
   sync_us: float = 15.0  # one device-to-host predicate read (drain + copy + relaunch)
+  # TPU ops the chip runs without an HBM pipeline (None on a GPU: every op there is a kernel launch):
+  # dma_us, an async copy's start (its bytes are charged; issuing it is a descriptor); on_chip_us, an op whose
+  # operands and results all sit in VMEM or SMEM (no HBM tile to fetch before it starts or drain after).
+  dma_us: float | None = None
+  on_chip_us: float | None = None
   tile_rows: int = 0  # grouped GEMM row tile: 0 = the engine's choice per shape (moe.grouped_block_m)
   tile_cols: int = 128
   empty_wave_us: float = 1.0  # one wave of grid blocks that find no rows and exit
@@ -111,8 +116,9 @@ class Charges:
                  "graph_min_kernels"):
       if getattr(self, name) <= 0:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be positive")
-    for name in ("kernel_us", "graph_kernel_us", "sync_us", "empty_wave_us", "tile_rows", "skew"):
-      if getattr(self, name) < 0:
+    for name in ("kernel_us", "graph_kernel_us", "sync_us", "empty_wave_us", "tile_rows", "skew", "dma_us",
+                 "on_chip_us"):
+      if getattr(self, name) is not None and getattr(self, name) < 0:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be >= 0")
 
 
@@ -132,17 +138,24 @@ def charges_for(chip: hardware.Chip, case: str = "central", **kw) -> Charges:
 
 def charges_for_tpu(tpu: hardware.Tpu, case: str = "central") -> Charges:
   """A TPU's charges, all assumed (no TPU has run this code): HBM at hbm_fraction of the spec and the MXU at
-  mxu_fraction (0.85 and 0.80; slow end 10% below, fast end 0.95 and 0.90), each XLA op 1 us of fill and
-  drain (0.5 - 1.5 us; a TPU runs a program's ops back to back from its own instruction stream, so there is
-  no launch and no graph to save one), loops and conditionals on the chip (no host read). Every kernel class
-  at the same fractions: XLA emits all of them."""
-  frac = {"central": (tpu.hbm_fraction, tpu.mxu_fraction, 1.0),
-          "slow": (0.9 * tpu.hbm_fraction, 0.9 * tpu.mxu_fraction, 1.5), "fast": (0.95, 0.90, 0.5)}
+  mxu_fraction (0.85 and 0.80; slow end 10% below, fast end 0.95 and 0.90), loops and conditionals on the
+  chip (no host read). Every kernel class at the same fractions: XLA emits all of them.
+
+  Per-op floors. A TPU runs a program's ops back to back from its own instruction stream: there is no launch
+  and no graph to save one. What an op pays beyond its bytes is the fill and drain of its HBM pipeline (the
+  first tile's DMA before compute starts, the last one's write after): 1 us central (0.5 - 1.5 us). An op
+  whose operands and results are all on the chip (VMEM, SMEM: memory spaces S(1), S(2), where XLA TPU places
+  small activations and the tiles its DMAs bring) has no such pipeline: 0.25 us (0.1 - 0.5) for its vector
+  work's latency and the sync with the next op. An async copy's start issues a DMA descriptor and returns:
+  no floor (its bytes are charged, serially, as if nothing overlapped them)."""
+  frac = {"central": (tpu.hbm_fraction, tpu.mxu_fraction, 1.0, 0.25),
+          "slow": (0.9 * tpu.hbm_fraction, 0.9 * tpu.mxu_fraction, 1.5, 0.5), "fast": (0.95, 0.90, 0.5, 0.1)}
   if case not in frac:
     raise ValueError(f"charges_for_tpu: case {case!r}; choose from {', '.join(frac)}")
-  hbm, mxu, op_us = frac[case]
+  hbm, mxu, op_us, chip_us = frac[case]
   return Charges(hbm_bytes_per_s=hbm * tpu.hbm_bytes_per_s, bf16_flops=mxu * tpu.bf16_flops,
                  eight_bit_flops=mxu * tpu.int8_flops, kernel_us=op_us, graph_kernel_us=op_us,
+                 dma_us=0.0, on_chip_us=chip_us,
                  graph_min_kernels=1 << 30, sync_us=0.0, empty_wave_us=0.0, skew=0.0 if case == "fast" else
                  (ROUTER_SKEW if case == "slow" else grouped_gemm.PLAN_SKEW),
                  efficiency=Efficiency(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0))
@@ -238,11 +251,14 @@ class Kernels:
 
   graphs: runs of >= graph_min_kernels consecutive kernels (one CUDA graph each); in_graphs: the kernels in
   them; separate: kernels launched on their own (short runs, copies). by_kind: fusion / custom-call / copy /
-  other."""
+  other. On a TPU (charges with dma_us / on_chip_us): dma, async copies' starts; on_chip, ops with no HBM
+  operand or result (neither is in graphs or separate)."""
   total: int = 0
   graphs: int = 0
   in_graphs: int = 0
   separate: int = 0
+  dma: int = 0
+  on_chip: int = 0
   by_kind: dict[str, int] = dataclasses.field(default_factory=dict)
 
   def add(self, other: "Kernels", times: int = 1) -> None:
@@ -250,13 +266,16 @@ class Kernels:
     self.graphs += times * other.graphs
     self.in_graphs += times * other.in_graphs
     self.separate += times * other.separate
+    self.dma += times * other.dma
+    self.on_chip += times * other.on_chip
     for k, v in other.by_kind.items():
       self.by_kind[k] = self.by_kind.get(k, 0) + times * v
 
   def overhead_s(self, ch: Charges) -> float:
     """Kernel floors: each graph and each separate kernel pays a launch, each kernel in a graph its own
-    (smaller) floor."""
-    return 1e-6 * ((self.graphs + self.separate) * ch.kernel_us + self.in_graphs * ch.graph_kernel_us)
+    (smaller) floor; on a TPU, DMA starts and on-chip ops their own."""
+    return 1e-6 * ((self.graphs + self.separate) * ch.kernel_us + self.in_graphs * ch.graph_kernel_us
+                   + self.dma * (ch.dma_us or 0.0) + self.on_chip * (ch.on_chip_us or 0.0))
 
 
 def branches(rest: str) -> list[str]:
@@ -285,7 +304,7 @@ def kernels(mod: Module, ch: Charges, comp: str | None = None, nested: bool = Tr
       out.separate += run
     run = 0
 
-  for _, _, op, rest in mod.comps.get(comp, []):
+  for _, result, op, rest in mod.comps.get(comp, []):
     if op in _FREE or op.endswith("-done"):  # an async pair launches once (its start)
       continue
     if op in _CONTROL:
@@ -306,6 +325,12 @@ def kernels(mod: Module, ch: Charges, comp: str | None = None, nested: bool = Tr
     kind = op if op in ("fusion", "custom-call", "copy") else "other"
     out.by_kind[kind] = out.by_kind.get(kind, 0) + 1
     out.total += 1
+    if ch.dma_us is not None and op.endswith("-start"):
+      out.dma += 1
+      continue
+    if ch.on_chip_us is not None and not hbm_arrays(result) and not mod.operands(rest, hbm=True):
+      out.on_chip += 1
+      continue
     if kind in ("fusion", "custom-call"):
       run += 1
     else:  # copies and unfused ops launch on their own and end a graph

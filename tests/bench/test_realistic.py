@@ -574,3 +574,44 @@ ENTRY %main (w: s8[8388608]) -> f32[256] {
   costs = {k.name: k.bytes for k in realistic.kernel_costs(mod, realistic.CHARGES["v6e"])}
   assert costs == {"ss": 4194304, "f": 1024}
   assert realistic.kernels(mod, realistic.CHARGES["v6e"]).total == 2
+
+
+def test_tpu_op_floors_by_where_the_op_runs():
+  """On a TPU an op pays the fill and drain of its HBM pipeline (1 us central), an op wholly in VMEM a smaller
+  floor (0.25 us), a DMA's start none (its bytes are charged). A GPU's charges floor each the same (a launch)."""
+  text = """HloModule tpu
+
+%fused_neg (p: f32[1048576]) -> f32[256] {
+  %p = f32[1048576]{0:T(1024)S(1)} parameter(0)
+  %s = f32[256]{0:T(256)} slice(%p), slice={[0:256]}
+  ROOT %n = f32[256]{0:T(256)} negate(%s)
+}
+
+%fused_abs (q: f32[256]) -> f32[256] {
+  %q = f32[256]{0:T(256)S(1)} parameter(0)
+  ROOT %a = f32[256]{0:T(256)S(1)} abs(%q)
+}
+
+ENTRY %main (w: s8[8388608]) -> f32[256] {
+  %w = s8[8388608]{0:T(1024)} parameter(0)
+  %ss = ((s8[8388608]{0:T(1024)}), s8[4194304]{0:T(1024)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:4194304]}
+  %sd = s8[4194304]{0:T(1024)S(1)} slice-done(%ss)
+  %b = f32[1048576]{0:T(1024)S(1)} bitcast(%sd)
+  %v = f32[256]{0:T(256)S(1)} slice(%b), slice={[0:256]}
+  %g = f32[256]{0:T(256)S(1)} fusion(%v), kind=kLoop, calls=%fused_abs
+  ROOT %f = f32[256]{0:T(256)} fusion(%b), kind=kLoop, calls=%fused_neg
+}
+"""
+  mod = realistic.Module(text)
+  v6e = realistic.CHARGES["v6e"]
+  k = realistic.kernels(mod, v6e)
+  assert (k.total, k.dma, k.on_chip, k.separate) == (4, 1, 2, 1)  # the start; slice and abs in VMEM; the neg
+  assert k.overhead_s(v6e) == pytest.approx(1e-6 * (0.0 + 2 * 0.25 + 1.0))
+  slow, fast = realistic.RANGES["v6e"]
+  assert k.overhead_s(slow) == pytest.approx(1e-6 * (2 * 0.5 + 1.5))
+  assert k.overhead_s(fast) == pytest.approx(1e-6 * (2 * 0.1 + 0.5))
+  gpu = realistic.kernels(mod, realistic.H200)
+  assert (gpu.total, gpu.dma, gpu.on_chip) == (4, 0, 0)
+  assert gpu.overhead_s(realistic.H200) == pytest.approx(4 * 2.5e-6)  # four launches, no graph of 5
+  with pytest.raises(ValueError, match="on_chip_us"):
+    dataclasses.replace(v6e, on_chip_us=-1.0)
