@@ -104,6 +104,10 @@ class Charges:
   # operands and results all sit in VMEM or SMEM (no HBM tile to fetch before it starts or drain after).
   dma_us: float | None = None
   on_chip_us: float | None = None
+  # A program partitioned over several chips: its collectives at link_bytes_per_s (per direction per chip) by
+  # the ring model (ring_link_bytes) plus collective_us each. None: a one-chip program (no collectives).
+  link_bytes_per_s: float | None = None
+  collective_us: float = 8.0
   tile_rows: int = 0  # grouped GEMM row tile: 0 = the engine's choice per shape (moe.grouped_block_m)
   tile_cols: int = 128
   empty_wave_us: float = 1.0  # one wave of grid blocks that find no rows and exit
@@ -117,9 +121,11 @@ class Charges:
       if getattr(self, name) <= 0:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be positive")
     for name in ("kernel_us", "graph_kernel_us", "sync_us", "empty_wave_us", "tile_rows", "skew", "dma_us",
-                 "on_chip_us"):
+                 "on_chip_us", "collective_us"):
       if getattr(self, name) is not None and getattr(self, name) < 0:
         raise ValueError(f"Charges.{name}={getattr(self, name)!r}: must be >= 0")
+    if self.link_bytes_per_s is not None and self.link_bytes_per_s <= 0:
+      raise ValueError(f"Charges.link_bytes_per_s={self.link_bytes_per_s!r}: must be positive (or None)")
 
 
 def charges_for(chip: hardware.Chip, case: str = "central", **kw) -> Charges:
@@ -732,6 +738,44 @@ def loop_parts(mod: Module) -> LoopParts | None:
   return LoopParts(block=block, entry=entry, step=step, step_fixed=fixed)
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")  # [groups, size]<=[n]
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+
+
+def collective_kind(op: str) -> str | None:
+  """The collective an instruction runs (its async start counted, its done not), or None."""
+  base = op[:-len("-start")] if op.endswith("-start") else op
+  return base if base in COLLECTIVES else None
+
+
+def collective_result(result: str, op: str) -> list[tuple[str, tuple[int, ...]]]:
+  """The arrays a collective produces: an async start's type is (operands..., results...[, context]), of which
+  the results are the second half (a collective-permute's: its last array)."""
+  arrs = arrays(result)
+  if not (op.endswith("-start") and result.startswith("(")):
+    return arrs
+  return arrs[-1:] if op.startswith("collective-permute") else arrs[len(arrs) // 2:]
+
+
+def group_size(rest: str, default: int) -> int:
+  """Devices per replica group of a collective (its iota form [groups,size]<=[n] or its list {{0,1,..},..})."""
+  if (m := _GROUPS_IOTA.search(rest)):
+    return int(m.group(2))
+  if (m := _GROUPS_LIST.search(rest)):
+    return len([d for d in m.group(1).split(",") if d])
+  return default
+
+
+def ring_link_bytes(kind: str, nbytes: float, p: int) -> float:
+  """Bytes one device sends over its link for a collective of `nbytes` result bytes among p devices (ring
+  algorithms): an all-reduce 2(p-1)/p of them, a gather, scatter or all-to-all (p-1)/p, a permute all."""
+  p = max(p, 2)
+  if kind == "all-reduce":
+    return 2 * (p - 1) / p * nbytes
+  return nbytes if kind == "collective-permute" else (p - 1) / p * nbytes
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelCost:
   """One kernel launch as charged: its class (memory, gemm, grouped, attention), the bytes it moves and the
@@ -745,7 +789,10 @@ class KernelCost:
   times: int = 1
 
   def seconds(self, ch: Charges) -> float:
-    """max(bytes / bandwidth, FLOPs / rate) at the kernel class's fractions of the chip's achievable rates."""
+    """max(bytes / bandwidth, FLOPs / rate) at the kernel class's fractions of the chip's achievable rates; a
+    collective (cls "collective", bytes: what one device sends) its bytes over the link plus its latency."""
+    if self.cls == "collective":
+      return self.bytes / ch.link_bytes_per_s + 1e-6 * ch.collective_us
     bw, rate = ch.efficiency.of(self.cls)
     compute = ((self.flops - self.eight_bit_flops) / (ch.bf16_flops * rate)
                + self.eight_bit_flops / (ch.eight_bit_flops * rate))
@@ -775,6 +822,10 @@ def kernel_costs(mod: Module, ch: Charges, comp: str | None = None, nested: bool
             walk(br, times)
         elif (m := _TO_APPLY.search(rest)):
           walk(m.group(1), times)
+        continue
+      if ch.link_bytes_per_s and (coll := collective_kind(op)):
+        sent = ring_link_bytes(coll, nbytes(collective_result(result, op)), group_size(rest, 2))
+        out.append(KernelCost(name, "collective", sent, 0.0, 0.0, times))
         continue
       ins = mod.operands(rest)
       if op.endswith("-start"):  # an async copy (a TPU's HBM <-> VMEM DMA): what it moves, once
@@ -811,12 +862,13 @@ def kernel_costs(mod: Module, ch: Charges, comp: str | None = None, nested: bool
 
 
 def charged(costs: list[KernelCost], ch: Charges) -> dict[str, Any]:
-  """Totals of kernel_costs: seconds (each kernel at its own bound, summed), bytes, FLOPs and seconds per
-  class."""
+  """Totals of kernel_costs: seconds (each kernel at its own bound, summed), HBM bytes, FLOPs, seconds per
+  class and the bytes collectives send over the links."""
   by_class: dict[str, float] = {}
   for k in costs:
     by_class[k.cls] = by_class.get(k.cls, 0.0) + k.times * k.seconds(ch)
-  return {"seconds": sum(by_class.values()), "bytes": sum(k.times * k.bytes for k in costs),
+  return {"seconds": sum(by_class.values()), "bytes": sum(k.times * k.bytes for k in costs if k.cls != "collective"),
+          "link_bytes": sum(k.times * k.bytes for k in costs if k.cls == "collective"),
           "flops": sum(k.times * k.flops for k in costs), "eight_bit_flops": sum(k.times * k.eight_bit_flops for k in costs),
           "by_class_s": by_class}
 

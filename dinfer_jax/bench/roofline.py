@@ -303,7 +303,8 @@ def compiler_optimal_ms(compiled) -> float | None:
     return None
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   s = cost.get("optimal_seconds") if isinstance(cost, dict) else None
-  return None if s is None else 1e3 * float(s)
+  # libtpu 0.0.42.1 reported -3.9999 s for the tiny preset's forwards: no estimate, not a time.
+  return None if s is None or float(s) <= 0 else 1e3 * float(s)
 
 
 def memory(compiled) -> dict[str, int]:

@@ -5,7 +5,7 @@ import pytest
 from dinfer_jax.bench import mesh_compile as mc
 
 HLO = """
-ENTRY %main {
+ENTRY %main (p: bf16[64,2048]) -> (bf16[64,2048]) {
   %p = bf16[64,2048]{1,0} parameter(0)
   %all-reduce-start = bf16[64,2048]{1,0} all-reduce-start(%p), channel_id=1, to_apply=%add
   %all-reduce-done = bf16[64,2048]{1,0} all-reduce-done(%all-reduce-start)

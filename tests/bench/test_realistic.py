@@ -615,3 +615,34 @@ ENTRY %main (w: s8[8388608]) -> f32[256] {
   assert gpu.overhead_s(realistic.H200) == pytest.approx(4 * 2.5e-6)  # four launches, no graph of 5
   with pytest.raises(ValueError, match="on_chip_us"):
     dataclasses.replace(v6e, on_chip_us=-1.0)
+
+
+def test_collectives_are_charged_over_the_link_by_their_group():
+  """A partitioned program's collectives: each sends its ring share of its result bytes over the link (an
+  all-reduce among 4 devices 2 x 3/4 of them, an all-gather among 2 half) plus a latency each; they are not
+  HBM bytes. Without a link (one chip's charges) they stay ordinary kernels."""
+  text = """HloModule slice
+
+ENTRY %main (p: bf16[64,2048], y: bf16[4,16]) -> (bf16[64,2048], bf16[8,16]) {
+  %p = bf16[64,2048]{1,0} parameter(0)
+  %y = bf16[4,16]{1,0} parameter(1)
+  %ars = bf16[64,2048]{1,0} all-reduce-start(%p), channel_id=1, replica_groups=[1,4]<=[4], to_apply=%add
+  %ard = bf16[64,2048]{1,0} all-reduce-done(%ars)
+  %ag = (bf16[4,16]{1,0}, bf16[8,16]{1,0}) all-gather-start(%y), channel_id=3, replica_groups={{0,1},{2,3}}, dimensions={0}
+  %agd = bf16[8,16]{1,0} all-gather-done(%ag)
+  ROOT %t = (bf16[64,2048]{1,0}, bf16[8,16]{1,0}) tuple(%ard, %agd)
+}
+"""
+  mod = realistic.Module(text)
+  ch = dataclasses.replace(realistic.CHARGES["v6e"], link_bytes_per_s=1e11, collective_us=5.0)
+  costs = {k.name: k for k in realistic.kernel_costs(mod, ch)}
+  assert {n: k.cls for n, k in costs.items()} == {"ars": "collective", "ag": "collective"}
+  assert costs["ars"].bytes == pytest.approx(2 * 3 / 4 * 64 * 2048 * 2)
+  assert costs["ag"].bytes == pytest.approx(1 / 2 * 8 * 16 * 2)
+  c = realistic.charged(list(costs.values()), ch)
+  assert c["bytes"] == 0 and c["link_bytes"] == pytest.approx(costs["ars"].bytes + costs["ag"].bytes)
+  assert c["by_class_s"]["collective"] == pytest.approx(c["link_bytes"] / 1e11 + 2 * 5e-6)
+  one_chip = {k.cls for k in realistic.kernel_costs(mod, realistic.CHARGES["v6e"])}
+  assert "collective" not in one_chip
+  with pytest.raises(ValueError, match="link_bytes_per_s"):
+    dataclasses.replace(ch, link_bytes_per_s=0.0)

@@ -259,3 +259,21 @@ def test_gpu_moe_runs_the_grouped_kernel_with_no_empty_blocks(weights):
     _, tokamax = realistic_of("full", "ragged")
     assert refresh["grouped_gemm_empty_s"] == 0 < tokamax["grouped_gemm_empty_s"]
     assert refresh["realistic_s"] < tokamax["realistic_s"]
+
+
+def test_compiler_optimal_ms_reads_a_positive_estimate_only():
+  """The target compiler's own roofline (XLA TPU's optimal_seconds) in ms; none where the compile gives none, a
+  non-positive value (libtpu's -3.9999 s for tiny programs) or no cost analysis at all."""
+  class Compiled:
+    def __init__(self, cost):
+      self.cost = cost
+
+    def cost_analysis(self):
+      if isinstance(self.cost, Exception):
+        raise self.cost
+      return self.cost
+  assert roofline.compiler_optimal_ms(Compiled({"optimal_seconds": 0.0125})) == pytest.approx(12.5)
+  assert roofline.compiler_optimal_ms(Compiled([{"optimal_seconds": 0.002}])) == pytest.approx(2.0)
+  assert roofline.compiler_optimal_ms(Compiled({"optimal_seconds": -3.9999})) is None
+  assert roofline.compiler_optimal_ms(Compiled({"flops": 1.0})) is None
+  assert roofline.compiler_optimal_ms(Compiled(RuntimeError("no cost analysis"))) is None
