@@ -10,7 +10,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dinfer_jax import cli_help
 from dinfer_jax.model import moe
