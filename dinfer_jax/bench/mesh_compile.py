@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import json
 import math
-import os
 import sys
 import time
 
@@ -42,17 +40,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dinfer_jax import cli_help
 from dinfer_jax import hardware, sharding
 from dinfer_jax.bench import realistic
-from dinfer_jax.bench.roofline import target_config
+from dinfer_jax.bench import roofline
 from dinfer_jax.cache import KVCache
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import params as params_lib
 from dinfer_jax.model.transformer import forward
 
 NVLINK_BW = hardware.CHIPS["h200"].nvlink_bytes_per_s  # bytes/s per direction per GPU (NVLink 4: 900 GB/s both)
-COLLECTIVE_LATENCY = 8e-6  # s per collective launch + sync (typical NCCL small-message latency in a node)
-# TPU slices as topologies name them, by chip count (a 2D torus of v5e / v6e chips; v5p's is 3D).
-TPU_TOPOLOGIES = {1: "1x1", 2: "1x2", 4: "2x2", 8: "2x4", 16: "4x4"}
-TPU_TOPOLOGIES_3D = {1: "1x1x1", 2: "1x1x2", 4: "1x2x2", 8: "2x2x2", 16: "2x2x4"}
+COLLECTIVE_LATENCY = 1e-6 * realistic.COLLECTIVE_US  # s per collective launch + sync
 
 # dInfer's LLaDA-MoE setting behind 681 TPS (8xH800, TP=8, batch 1): threshold 0.8 + smoothing + vicinity,
 # dual cache, average TPF 3.87 over six benchmarks (paper Table 1).
@@ -64,23 +59,13 @@ PROMPT, GEN, BLOCK = 256, 1024, 64
 
 def topology_mesh(layout: dict[str, int], chip: str = "h200"):
   """A (data, tensor, expert) mesh over described chips (no devices needed): H200s, or a TPU slice."""
-  n = math.prod(layout.values())
   if chip in hardware.TPUS:
-    names = TPU_TOPOLOGIES_3D if chip == "v5p" else TPU_TOPOLOGIES
-    if n not in names:
-      raise ValueError(f"mesh of {n} {chip} chips: choose {sorted(names)} chips")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu would ask the cloud metadata server
-    topo = topologies.get_topology_desc(topology_name=f"{chip}:{names[n]}", platform="tpu")
-  else:
-    topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(hardware.CHIPS[chip]),
-                                        topology=f"1x1x{n}")
+    return roofline.tpu_mesh(chip, layout)
+  n = math.prod(layout.values())
+  topo = topologies.get_topology_desc(platform="cuda", target_config=roofline.target_config(hardware.CHIPS[chip]),
+                                      topology=f"1x1x{n}")
   shape = tuple(layout.get(a, 1) for a in sharding.MESH_AXES)
   return topologies.make_mesh(topo, shape, sharding.MESH_AXES)
-
-
-def link_bytes_per_s(chip: str) -> float:
-  """Per direction per chip: NVLink for a GPU, half the TPU's bidirectional inter-chip interconnect."""
-  return hardware.TPUS[chip].ici_bytes_per_s / 2 if chip in hardware.TPUS else hardware.CHIPS[chip].nvlink_bytes_per_s
 
 
 @contextlib.contextmanager
@@ -113,13 +98,6 @@ def collective_seconds(colls: dict[str, dict[str, int]], n_devices: int, link: f
   latency per collective."""
   return sum(realistic.ring_link_bytes(kind, e["bytes"], n_devices) / link + e["count"] * COLLECTIVE_LATENCY
              for kind, e in colls.items())
-
-
-def charges(chip: str) -> realistic.Charges:
-  """The realistic model's charges for a chip of a mesh: its own, with the collectives at the link's
-  bandwidth and COLLECTIVE_LATENCY each."""
-  return dataclasses.replace(realistic.CHARGES[chip], link_bytes_per_s=link_bytes_per_s(chip),
-                             collective_us=1e6 * COLLECTIVE_LATENCY)
 
 
 def _abstract(shape, dtype, mesh, axes):
@@ -167,9 +145,10 @@ def analyse(compiled, n_devices: int, chip: str = "h200") -> dict:
   flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
   spec = hardware.TPUS.get(chip) or hardware.CHIPS[chip]
   t_compute = max(nbytes / spec.hbm_bytes_per_s, flops / spec.bf16_flops)
-  t_coll = collective_seconds(colls, n_devices, link_bytes_per_s(chip))
+  t_coll = collective_seconds(colls, n_devices, realistic.link_bytes_per_s(chip))
   # The realistic figure charges each collective in the module (its replica group's size, ring model).
-  real = realistic.forward_time({"flops": flops, "bytes": nbytes}, realistic.Module(text), charges(chip))
+  real = realistic.forward_time({"flops": flops, "bytes": nbytes}, realistic.Module(text),
+                                  realistic.with_links(realistic.CHARGES[chip], chip))
   return {"flops": flops, "bytes": nbytes, "arg_bytes": int(mem.argument_size_in_bytes),
           "temp_bytes": int(mem.temp_size_in_bytes), "out_bytes": int(mem.output_size_in_bytes),
           "alias_bytes": int(mem.alias_size_in_bytes), "collectives": colls,

@@ -173,6 +173,19 @@ CHARGES.update({key: charges_for_tpu(tpu) for key, tpu in hardware.TPUS.items()}
 RANGES = {key: (charges_for(chip, "slow"), charges_for(chip, "fast")) for key, chip in hardware.CHIPS.items()}
 RANGES.update({key: (charges_for_tpu(tpu, "slow"), charges_for_tpu(tpu, "fast")) for key, tpu in hardware.TPUS.items()})
 H200, H100 = CHARGES["h200"], CHARGES["h100"]
+# A collective's fixed cost (launch + sync; typical NCCL small-message latency within a node), assumed for
+# TPU slices' inter-chip collectives too.
+COLLECTIVE_US = 8.0
+
+
+def link_bytes_per_s(key: str) -> float:
+  """Per direction per chip: NVLink for a GPU, half the TPU's bidirectional inter-chip interconnect."""
+  return hardware.TPUS[key].ici_bytes_per_s / 2 if key in hardware.TPUS else hardware.CHIPS[key].nvlink_bytes_per_s
+
+
+def with_links(ch: Charges, key: str) -> Charges:
+  """A chip's charges for a program partitioned over several of them: collectives over its links."""
+  return dataclasses.replace(ch, link_bytes_per_s=link_bytes_per_s(key), collective_us=COLLECTIVE_US)
 
 # Instructions that launch nothing (views, tuples, constants) or that are control flow (counted apart).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",

@@ -29,6 +29,7 @@ import datetime
 import functools
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import re
@@ -44,10 +45,11 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxlib import _hlo
 
-from dinfer_jax import cli_help, hardware
+from dinfer_jax import cli_help, hardware, sharding
 from dinfer_jax.bench import presets, realistic
 from dinfer_jax.bench.floors import bytes_per_forward, flops_per_forward
 from dinfer_jax.bench.throughput import cached_kind, forward_programs
+from dinfer_jax.cache import KVCache
 from dinfer_jax.cli_common import QUANTIZE_CHOICES, is_quantize_spec
 from dinfer_jax.engine import generate as gen_lib, iteration, loop
 from dinfer_jax.engine.config import GenerationConfig
@@ -87,6 +89,38 @@ def roofline_s(chip: hardware.Chip, flops: float, nbytes: float) -> float:
 
 CHIPS = hardware.CHIPS
 ALL_CHIPS = {**hardware.CHIPS, **hardware.TPUS}
+# TPU slices as libtpu's topologies name them, by chip count (v5e / v6e: a 2D torus; v5p: 3D).
+TPU_TOPOLOGIES = {1: "1x1", 2: "1x2", 4: "2x2", 8: "2x4", 16: "4x4"}
+TPU_TOPOLOGIES_3D = {1: "1x1x1", 2: "1x1x2", 4: "1x2x2", 8: "2x2x2", 16: "2x2x4"}
+
+
+def parse_chip(spec: str) -> tuple[str, int]:
+  """'h200' -> ('h200', 1); 'v6e-4' -> ('v6e', 4): a TPU slice of 4 chips (a chip count in TPU_TOPOLOGIES)."""
+  key, sep, n = spec.partition("-")
+  if key not in ALL_CHIPS:
+    raise ValueError(f"--chips {spec!r}: unknown chip {key!r}; choose from {', '.join(ALL_CHIPS)} (a TPU slice as "
+                     "v6e-4)")
+  if not sep:
+    return key, 1
+  if key not in hardware.TPUS:
+    raise ValueError(f"--chips {spec!r}: slices are TPU ones here (a GPU mesh: bench.mesh_compile)")
+  if not n.isdigit() or int(n) not in TPU_TOPOLOGIES:
+    raise ValueError(f"--chips {spec!r}: a {key} slice of {sorted(TPU_TOPOLOGIES)} chips")
+  return key, int(n)
+
+
+def tpu_mesh(key: str, layout: dict[str, int]):
+  """A (data, tensor, expert) mesh over a described TPU slice of prod(layout) chips (libtpu's topology; no
+  TPU needed). One chip: a 1x1 topology on a one-chip host."""
+  n = math.prod(layout.values())
+  names = TPU_TOPOLOGIES_3D if key == "v5p" else TPU_TOPOLOGIES
+  if n not in names:
+    raise ValueError(f"mesh of {n} {key} chips: choose {sorted(names)} chips")
+  # libtpu asks the cloud metadata server what it runs on unless told not to (no network here).
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  extra = {"chips_per_host_bounds": (1, 1, 1)} if n == 1 else {}
+  topo = topologies.get_topology_desc(topology_name=f"{key}:{names[n]}", platform="tpu", **extra)
+  return topologies.make_mesh(topo, tuple(layout.get(a, 1) for a in sharding.MESH_AXES), sharding.MESH_AXES)
 
 
 def libtpu_available() -> bool:
@@ -110,23 +144,29 @@ def cuda_plugin_available() -> bool:
 # ----------------------------------------------------------------------------- compile targets
 
 class Target:
-  """Where to compile: abstract inputs carry the target's sharding; kernel choices are traced for it."""
+  """Where to compile: abstract inputs carry the target's sharding; kernel choices are traced for it.
 
-  def __init__(self, kind: str, chip: hardware.Chip | hardware.Tpu):
+  layout: a TPU slice's mesh ({"tensor": 4}, {"tensor": 2, "expert": 2}); the weights are placed by the
+  rules table (sharding.param_shardings) and the programs traced as the engine traces them on a mesh
+  (sharding.use_mesh, moe.partitioned). Batch rows stay whole (no "data" axis here)."""
+
+  def __init__(self, kind: str, chip: hardware.Chip | hardware.Tpu, layout: dict[str, int] | None = None):
     if kind not in ("cuda", "cpu", "tpu"):
       raise ValueError(f"--target {kind!r}: choose cuda, tpu or cpu")
     if (kind == "tpu") != isinstance(chip, hardware.Tpu):
       raise ValueError(f"--target {kind}: chip {chip.key} is not one ({'a TPU' if kind == 'tpu' else 'a GPU'})")
-    self.kind, self.chip = kind, chip
+    layout = {a: n for a, n in (layout or {}).items() if n != 1}
+    if layout and kind != "tpu":
+      raise ValueError(f"--mesh on {chip.key}: slices are TPU ones here (a GPU mesh: bench.mesh_compile)")
+    if layout.get("data", 1) != 1:
+      raise ValueError(f"--mesh {layout}: a slice runs tensor and expert parallel here; batch rows are not split")
+    self.kind, self.chip, self.layout = kind, chip, layout
+    self.n_chips = math.prod(layout.values())
     self.sharding = self.mesh = None
     if kind == "tpu":
       if not libtpu_available():
         raise ValueError(f"chip {chip.key}: a deviceless TPU compile needs libtpu: pip install -e '.[tpu]'")
-      # libtpu asks the cloud metadata server what it runs on unless told not to (no network here).
-      os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-      topo = topologies.get_topology_desc(topology_name=f"{chip.key}:1x1", platform="tpu",
-                                          chips_per_host_bounds=(1, 1, 1))
-      self.mesh = topologies.make_mesh(topo, (1,), ("x",))
+      self.mesh = tpu_mesh(chip.key, layout)
       self.sharding = NamedSharding(self.mesh, PartitionSpec())
     if kind == "cuda":
       if not cuda_plugin_available():
@@ -140,23 +180,65 @@ class Target:
   @property
   def label(self) -> str:
     if self.kind in ("cuda", "tpu"):
-      return f"{self.chip.name} (deviceless {self.kind.upper()} compile)"
+      return f"{self.chip_name} (deviceless {self.kind.upper()} compile)"
     return "CPU compile (CPU-optimised HLO, not a GPU prediction)"
+
+  @property
+  def chip_name(self) -> str:
+    """The chip as rows name it: 'TPU v6 lite', or a slice's 'TPU v6 lite x4 (tensor=4)'."""
+    if self.n_chips == 1:
+      return self.chip.name
+    return f"{self.chip.name} x{self.n_chips} ({','.join(f'{a}={n}' for a, n in self.layout.items())})"
+
+  def charges(self, case: str = "central") -> realistic.Charges:
+    """The realistic model's charges on this target (a range's end: "slow", "fast"); a slice's with its
+    collectives over the chips' links."""
+    ch = {"central": realistic.CHARGES[self.chip.key], "slow": realistic.RANGES[self.chip.key][0],
+          "fast": realistic.RANGES[self.chip.key][1]}[case]
+    return realistic.with_links(ch, self.chip.key) if self.n_chips > 1 else ch
+
+  def abstract_params(self, tree, cfg):
+    """The weights as the target holds them: on a slice each leaf split by its logical axes."""
+    if self.n_chips == 1:
+      return self.abstract(tree)
+    shard = sharding.param_shardings(tree, params_lib.unstacked_logical_axes(cfg, tree), self.mesh)
+    return jax.tree_util.tree_map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree, shard)
 
   @property
   def backend(self) -> str:
     return {"cuda": "gpu", "tpu": "tpu"}.get(self.kind, "cpu")
 
   def abstract(self, tree):
-    def one(a):
-      return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self.sharding)
-    return jax.tree_util.tree_map(one, tree)
+    """Abstract args, replicated; on a slice a KV cache's layers split by kv heads as the engine's loop holds
+    them (sharding.CACHE_AXES), and a leaf that already has a sharding (a weight, a vocab-split table or
+    logits) keeps it."""
+    def one(a, spec=None):
+      if isinstance(a, jax.ShapeDtypeStruct) and a.sharding is not None:
+        return a
+      sh = self.sharding if spec is None else NamedSharding(self.mesh, sharding.spec_for(spec, self.mesh, np.shape(a)))
+      return jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=sh)
+
+    def node(x):
+      if isinstance(x, KVCache):
+        return jax.tree_util.tree_map(lambda a: one(a, sharding.CACHE_AXES[-np.ndim(a):] if self.n_chips > 1 else None), x)
+      return one(x)
+    return jax.tree_util.tree_map(node, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+  def vocab_split(self, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...]) -> jax.ShapeDtypeStruct:
+    """An abstract array with these logical axes (the vocabulary split on a slice; replicated on a chip)."""
+    if self.n_chips == 1:
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=self.sharding)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.named(self.mesh, axes, shape))
 
   def compile(self, fn, *args, donate=(), options: dict | None = None):
     # jax 0.11's Pallas-Triton lowering reads the GPU it compiles for from the abstract mesh's device when the
     # process has none ("No supported GPU devices found" otherwise; jax 0.10 did not ask): the topology's.
     abstract = (jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh) if self.mesh is not None
                 else contextlib.nullcontext())
+    if self.n_chips > 1:  # as the engine traces a program for a mesh (engine.generate)
+      abstract = contextlib.ExitStack()
+      abstract.enter_context(sharding.use_mesh(self.mesh))
+      abstract.enter_context(moe.partitioned(True))
     tuned = hardware.target(self.chip.key) if self.kind != "tpu" else contextlib.nullcontext()
     with moe.target_backend(self.backend), tuned, deviceless_tokamax(self.kind == "cuda"), abstract:
       t = time.perf_counter()
@@ -350,11 +432,15 @@ def generation_config(preset: presets.Preset, cache: str, setting: str = "dinfer
   return gcfg
 
 
-def step_programs(cfg, gcfg: GenerationConfig, lay, prog, *, dtype, table=None) -> dict[str, tuple[Any, tuple]]:
+def step_programs(cfg, gcfg: GenerationConfig, lay, prog, *, dtype, table=None,
+                  target: Target | None = None) -> dict[str, tuple[Any, tuple]]:
   """The work of a loop iteration outside its forward, per forward kind: the decoder on the block's logits
   and, with smoothing, the soft embeddings of the positions the forward saw (the generation region after a
   refresh, the window after a cached forward): f(table, logits, canvas, ...) as the loop runs them. table:
-  the abstract embedding table as the engine holds it (an 8-bit QArray with +embed; default [V, D] dtype)."""
+  the abstract embedding table as the engine holds it (an 8-bit QArray with +embed; default [V, D] dtype).
+  target: table and logits split by vocabulary as a slice holds them."""
+  def abstract(shape, dt, axes):
+    return target.vocab_split(shape, dt, axes) if target is not None else jax.ShapeDtypeStruct(shape, dt)
   grid = lay.grid
   B, L, W, V, D = grid.batch, grid.block_len, grid.window, cfg.vocab_size, cfg.d_model
   G = grid.canvas_len - grid.first_block
@@ -377,8 +463,8 @@ def step_programs(cfg, gcfg: GenerationConfig, lay, prog, *, dtype, table=None) 
         res["emb"] = iteration.soft_embed(table, toks, logits, toks == mask_id,
                                           iteration.smooth_weight(n, gcfg.cont_weight))
       return res
-    args = (jax.ShapeDtypeStruct((V, D), dtype) if table is None else table,
-            jax.ShapeDtypeStruct((B, width, V), jnp.float32),
+    args = (abstract((V, D), dtype, ("vocab", "embed")) if table is None else table,
+            abstract((B, width, V), jnp.float32, ("act_batch", "act_len", "vocab")),
             jax.ShapeDtypeStruct((B, width), jnp.int32), jax.ShapeDtypeStruct((B, L), jnp.bool_),
             jax.ShapeDtypeStruct((B,), jnp.int32), jax.random.PRNGKey(0))
     out[kind] = (f, args)
@@ -412,7 +498,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   gcfg = generation_config(preset, cache, setting)
   lay, prog = gen_lib.prepare(cfg, _prompts(cfg, batch, preset.prompt_length), gcfg)
   grid = lay.grid
-  aparams = target.abstract(abstract_inference_params(cfg, dtype, weights))
+  aparams = target.abstract_params(abstract_inference_params(cfg, dtype, weights), cfg)
   table = aparams["embed"] if quant.is_qarray(aparams["embed"]) else None
   dbytes = jnp.dtype(dtype).itemsize
   qc = quant.QuantConfig.parse(weights)
@@ -421,7 +507,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
   L, Tc, W = grid.block_len, grid.canvas_len, grid.window
   rows = []
   steps = {}
-  for kind, (f, args) in step_programs(cfg, gcfg, lay, prog, dtype=dtype, table=table).items():
+  for kind, (f, args) in step_programs(cfg, gcfg, lay, prog, dtype=dtype, table=table, target=target).items():
     compiled, _ = target.compile(f, *target.abstract(args))
     text = compiled_text(compiled)
     cost, mod = ModuleCost(text).total(), realistic.Module(text)
@@ -452,16 +538,17 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     kv_len = 0 if kind in ("full", "prefill") else Tc
     floor = bytes_per_forward(cfg, dtype_bytes=dbytes, batch=batch, tokens=tokens, kv_len=kv_len, logits_tokens=L,
                               quant_bytes=qbytes, head_bytes=head_bytes)
-    floor_bytes = floor["total"] + batch * L * cfg.vocab_size * 4  # fp32 logits written
-    routed = flops_per_forward(cfg, batch=batch, tokens=tokens, kv_len=Tc, logits_tokens=L)
-    with moe.target_backend(target.backend):
+    # A slice's rows are per chip: its share of the floor, the model's split evenly over the chips.
+    floor_bytes = (floor["total"] + batch * L * cfg.vocab_size * 4) / target.n_chips  # + fp32 logits written
+    routed = flops_per_forward(cfg, batch=batch, tokens=tokens, kv_len=Tc, logits_tokens=L) / target.n_chips
+    with moe.target_backend(target.backend), moe.partitioned(target.n_chips > 1):
       impl = moe.choose_impl(cfg, batch * tokens) if cfg.n_moe_layers else "n/a"
       if impl == "grouped":  # model/grouped_gemm.py; block-scaled 8-bit experts go to the ragged path
         impl = "ragged" if (qc is not None and qc.scales == "block") else "grouped/pallas-triton"
       if impl == "ragged":
         impl += "/tokamax" if (target.kind == "cuda" and moe.has_gpu_grouped_gemm()) else "/xla"
     rows.append({
-        "preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch, "cache": cache,
+        "preset": preset_name, "target": target.kind, "chip": target.chip_name, "batch": batch, "cache": cache,
         "weights": weights, "kind": "refresh" if (kind == "full" and cache != "none") else kind, "tokens": tokens, "kv_len": kv_len,
         "moe_impl": impl, "flops": cost["flops"], "bytes": cost["bytes"], **memory(compiled),
         "floor_bytes": floor_bytes, "bytes_over_floor": cost["bytes"] / floor_bytes, "routed_flops": routed,
@@ -496,7 +583,7 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     commands = set(options.get("xla_gpu_enable_command_buffer", "").split(","))
     # A TPU runs a program's loops and conditionals on the chip (its scalar unit): no host read per step.
     device_loop = (target.kind == "tpu" or {"WHILE", "CONDITIONAL"} <= commands) and mc.host_ops == 0
-    rows.append({"preset": preset_name, "target": target.kind, "chip": target.chip.name, "batch": batch,
+    rows.append({"preset": preset_name, "target": target.kind, "chip": target.chip_name, "batch": batch,
                  "cache": cache, "weights": weights, "kind": "generate", "tokens": Tc, **memory(compiled), "host_ops": mc.host_ops,
                  "while_loops": sum(len(mc._loops(c)) for c in mc.comps), "compile_s": compile_s, "setting": setting,
                  "device_loop": device_loop, "host_syncs_per_step": 0 if device_loop else syncs.per_step,
@@ -646,45 +733,72 @@ def predict(rows: list[dict[str, Any]], preset_name: str, tpf: float,
 
 def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str], target_kind: str,
         tpf: float | None = None, with_generate: bool = True, progress=print, setting: str = "dinfer",
-        weights: tuple[str, ...] = ("bf16",)) -> dict[str, Any]:
+        weights: tuple[str, ...] = ("bf16",), mesh: dict[str, int] | None = None) -> dict[str, Any]:
   """tpf: tokens per forward of the prediction; None takes the compiled setting's known figure (SETTINGS).
+  chips: keys of ALL_CHIPS, or TPU slices as "v6e-4" (parse_chip), laid out as `mesh` (default tensor=N).
   weights: the weight formats compiled ("bf16", "int8", "fp8", "int8-block", "fp8-block"); the summary fields
   are the first one's, and each 8-bit one's batch-1 figures get their own (..._fp8) beside bf16's."""
   if tpf is None:
     tpf = SETTINGS.get(setting)
     if tpf is None:
       raise ValueError(f"--setting {setting}: no known tokens-per-forward figure for it; give --tpf")
-  rows, predictions, label = [], [], ""
-  for chip_name in chips:
-    kind = "tpu" if chip_name in hardware.TPUS else target_kind
-    target = Target(kind, ALL_CHIPS[chip_name])
+  rows, predictions, label, targets = [], [], "", {}
+  for spec in chips:
+    key, n = parse_chip(spec)
+    kind = "tpu" if key in hardware.TPUS else target_kind
+    target = targets[spec] = Target(kind, ALL_CHIPS[key], (mesh or {"tensor": n}) if n > 1 else None)
+    if target.n_chips != n:
+      raise ValueError(f"--mesh {mesh}: {target.n_chips} chips for --chips {spec}")
     label = target.label if kind == "cpu" else f"deviceless {kind.upper()} compile"
     chip_rows = []
     for w in weights:
       for cache in caches:
         for b in batches:
-          slow, fast = realistic.RANGES[chip_name]
           new = forward_rows(target, preset_name, b, cache, with_generate=with_generate, setting=setting,
-                             weights=w, charges=realistic.CHARGES[chip_name], ends={"slow": slow, "fast": fast})
+                             weights=w, charges=target.charges(), ends={c: target.charges(c) for c in ("slow", "fast")})
           for r in new:
             if progress:
               progress(_line(r))
           chip_rows += new
     rows += chip_rows
     # The range: the same prediction with every charge at its slow end, and at its fast end.
-    slow, fast = (predict(as_case(chip_rows, case), preset_name, tpf, ch)
-                  for case, ch in zip(("slow", "fast"), realistic.RANGES[chip_name]))
-    predictions += [dict(p, chip=ALL_CHIPS[chip_name].name,
+    slow, fast = (predict(as_case(chip_rows, case), preset_name, tpf, target.charges(case)) for case in ("slow", "fast"))
+    predictions += [dict(p, chip=target.chip_name,
                          realistic_tps_per_seq_range=[lo["realistic_tps_per_seq"], hi["realistic_tps_per_seq"]],
                          realistic_tps_aggregate_range=[lo["realistic_tps_aggregate"], hi["realistic_tps_aggregate"]])
-                    for p, lo, hi in zip(predict(chip_rows, preset_name, tpf, realistic.CHARGES[chip_name]), slow, fast)]
+                    for p, lo, hi in zip(predict(chip_rows, preset_name, tpf, target.charges()), slow, fast)]
   out: dict[str, Any] = {"preset": preset_name, "target": target_kind, "label": label, "setting": setting,
-                         "charges": {c: dataclasses.asdict(realistic.CHARGES[c]) for c in chips},
-                         "charge_ranges": {c: {case: dataclasses.asdict(ch) for case, ch in zip(("slow", "fast"), realistic.RANGES[c])}
-                                           for c in chips},
+                         "charges": {c: dataclasses.asdict(t.charges()) for c, t in targets.items()},
+                         "charge_ranges": {c: {case: dataclasses.asdict(t.charges(case)) for case in ("slow", "fast")}
+                                           for c, t in targets.items()},
                          "tpf": tpf, "rows": rows, "predictions": predictions, "jax": jax.__version__,
                          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-  out.update(summary(rows, predictions, ALL_CHIPS[chips[0]].name, weights))
+  out.update(summary(rows, predictions, targets[chips[0]].chip_name, weights))
+  first = targets[chips[0]]
+  out["memory_fit"] = memory_fit([r for r in rows if r["chip"] == first.chip_name and r["cache"] == "dual"
+                                  and r.get("weights", "bf16") == weights[0]], first.chip.memory_bytes)
+  return out
+
+
+def memory_fit(rows: list[dict[str, Any]], hbm_bytes: int) -> dict[str, Any]:
+  """What fits in one chip's HBM, from the generate program's memory_analysis (arguments + temporaries +
+  outputs per chip) at the batches compiled: affine in the batch (the weights once; each row's cache,
+  canvas and logits), so two batches give its slope. The largest batch is where the line meets the HBM; the
+  largest canvas at batch 1 takes each row's bytes as proportional to its canvas (cache, activations and
+  logits all are, to first order). An estimate: compile at the batch it gives to know (XLA TPU refuses a
+  program that overflows HBM)."""
+  gen = sorted((r for r in rows if r["kind"] == "generate"), key=lambda r: r["batch"])
+  out: dict[str, Any] = {"hbm_bytes_per_chip": hbm_bytes}
+  use = {r["batch"]: r["argument_bytes"] + r["temp_bytes"] + r["output_bytes"] for r in gen}
+  if 1 in use:
+    out["memory_per_chip_batch1_bytes"] = use[1]
+  if len(use) >= 2:
+    (b1, u1), (b2, u2) = sorted(use.items())[0], sorted(use.items())[-1]
+    per_row = (u2 - u1) / (b2 - b1)
+    fixed = u1 - b1 * per_row
+    out["memory_per_row_bytes"], out["memory_fixed_bytes"] = per_row, fixed
+    out["max_batch_per_chip"] = int((hbm_bytes - fixed) // per_row) if per_row > 0 else None
+    out["max_canvas_batch1"] = int(gen[0]["tokens"] * (hbm_bytes - fixed) / per_row) if per_row > 0 else None
   return out
 
 
@@ -798,7 +912,9 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=cli_help.first_paragraph(__doc__))
   ap.add_argument("--preset", default="llada_moe_7b_a1b", choices=sorted(presets.PRESETS))
   ap.add_argument("--chips", default="h200", help=f"comma list of {', '.join(ALL_CHIPS)} (TPUs: a deviceless TPU "
-                  "compile, with libtpu: pip install -e '.[tpu]')")
+                  "compile, with libtpu: pip install -e '.[tpu]'; a TPU slice as v6e-4)")
+  ap.add_argument("--mesh", default=None, metavar="tensor=T,expert=E",
+                  help="a TPU slice's layout (default: tensor over all its chips); rows are per chip")
   ap.add_argument("--batches", default="1,8")
   ap.add_argument("--caches", default="dual", help="comma list of none, prefix, dual")
   ap.add_argument("--target", default=None, choices=["cuda", "cpu"],
@@ -816,9 +932,12 @@ def main(argv=None) -> int:
   ap.add_argument("--json", dest="json_out", default=None)
   args = ap.parse_args(argv)
   chips = [c.strip() for c in args.chips.split(",") if c.strip()]
-  bad = [c for c in chips if c not in ALL_CHIPS]
-  if bad:
-    raise SystemExit(f"--chips: unknown {bad}; choose from {', '.join(ALL_CHIPS)}")
+  try:
+    for c in chips:
+      parse_chip(c)
+    mesh = sharding.parse_mesh(args.mesh) if args.mesh else None
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
   try:
     batches = [int(b) for b in args.batches.split(",")]
   except ValueError:
@@ -837,7 +956,7 @@ def main(argv=None) -> int:
   target = args.target or ("cuda" if cuda_plugin_available() else "cpu")
   try:
     res = run(args.preset, chips, batches, caches, target, args.tpf, with_generate=not args.no_generate,
-              setting=args.setting, weights=weights)
+              setting=args.setting, weights=weights, mesh=mesh)
   except ValueError as e:
     raise SystemExit(str(e)) from None
   res["command"] = "python -m dinfer_jax.bench.roofline " + " ".join(argv if argv is not None else sys.argv[1:])

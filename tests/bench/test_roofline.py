@@ -277,3 +277,30 @@ def test_compiler_optimal_ms_reads_a_positive_estimate_only():
   assert roofline.compiler_optimal_ms(Compiled({"optimal_seconds": -3.9999})) is None
   assert roofline.compiler_optimal_ms(Compiled({"flops": 1.0})) is None
   assert roofline.compiler_optimal_ms(Compiled(RuntimeError("no cost analysis"))) is None
+
+
+def test_chip_specs_name_a_chip_or_a_tpu_slice():
+  assert roofline.parse_chip("h200") == ("h200", 1)
+  assert roofline.parse_chip("v6e") == ("v6e", 1)
+  assert roofline.parse_chip("v6e-4") == ("v6e", 4)
+  for bad, msg in (("a100", "unknown chip 'a100'"), ("h200-8", "slices are TPU ones"),
+                   ("v6e-3", r"a v6e slice of \[1, 2, 4, 8, 16\] chips"), ("v5e-x", "a v5e slice")):
+    with pytest.raises(ValueError, match=msg):
+      roofline.parse_chip(bad)
+  with pytest.raises(ValueError, match="slices are TPU ones"):
+    roofline.Target("cpu", roofline.CHIPS["h200"], {"tensor": 2})
+  with pytest.raises(SystemExit, match="unknown chip"):
+    roofline.main(["--chips", "h300", "--target", "cpu"])
+
+
+def test_memory_fit_from_two_batches_by_hand():
+  """Per chip 16 bytes at batch 1, 44 at batch 8: 4 per row on 12 fixed; 100 bytes of HBM hold (100 - 12) // 4
+  = 22 rows, or at batch 1 a canvas 22 times the compiled one (1000 positions)."""
+  gen = lambda b, args, temp: {"kind": "generate", "batch": b, "tokens": 1000, "argument_bytes": args,  # noqa: E731
+                               "temp_bytes": temp, "output_bytes": 1}
+  rows = [gen(1, 10, 5), gen(8, 10, 33), {"kind": "cached", "batch": 1}]
+  fit = roofline.memory_fit(rows, 100)
+  assert fit["memory_per_chip_batch1_bytes"] == 16
+  assert (fit["memory_per_row_bytes"], fit["memory_fixed_bytes"]) == (4, 12)
+  assert fit["max_batch_per_chip"] == 22 and fit["max_canvas_batch1"] == 22000
+  assert "max_batch_per_chip" not in roofline.memory_fit(rows[:1], 100)  # one batch: no slope

@@ -50,3 +50,21 @@ def test_a_v6e_slice_compiles_the_sharded_forward():
   assert a["t_realistic_s"] > a["t_forward_s"]  # the per-op floors and achievable fractions
   with pytest.raises(ValueError, match="mesh of 3 v6e chips"):
     mesh_compile.topology_mesh({"tensor": 3}, "v6e")
+
+
+def test_a_v6e_slice_compiles_the_generate_program_per_chip():
+  """The roofline bench on a 4-chip slice (tensor=2 x expert=2): the generate program and its forwards compile
+  with the weights split by the rules table (each chip holds less than the whole model), its collectives
+  are charged over the links, the loop stays on the chips, and the JSON has the one-chip file's fields."""
+  one = roofline.run("tiny", ["v6e"], [1], ["dual"], "cpu", progress=None)
+  res = roofline.run("tiny", ["v6e-4"], [1], ["dual"], "cpu", progress=None, mesh={"tensor": 2, "expert": 2})
+  rows = {r["kind"]: r for r in res["rows"]}
+  whole = {r["kind"]: r for r in one["rows"]}
+  assert rows["cached"]["chip"] == "TPU v6 lite x4 (tensor=2,expert=2)"
+  assert rows["cached"]["argument_bytes"] < whole["cached"]["argument_bytes"]
+  assert rows["cached"]["class_ms"]["collective"] > 0 and "collective" not in whole["cached"]["class_ms"]
+  assert rows["generate"]["device_loop"] and rows["generate"]["host_syncs_per_step"] == 0
+  assert res["charges"]["v6e-4"]["link_bytes_per_s"] == hardware.TPUS["v6e"].ici_bytes_per_s / 2
+  assert set(res) == set(one) and res["realistic_tps_batch1"] > 0
+  with pytest.raises(ValueError, match="4 chips for --chips v6e-8"):
+    roofline.run("tiny", ["v6e-8"], [1], ["dual"], "cpu", progress=None, mesh={"tensor": 4})
