@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from dinfer_jax import hardware
-from dinfer_jax.model import grouped_gemm, moe
+from dinfer_jax.model import grouped_gemm, grouped_gemm_tpu, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,11 +492,31 @@ def grouped_call(mod: Module, result: str, rest: str, ch: Charges) -> dict[str, 
     if x is None or w is None or not outs:
       return None
     (M, K), (G, _, N) = x[1], w[1]
-    busy = G - idle_groups(M, G)  # each group's weights read once; its tiling is the compiler's
-    t = {"routed_flops": 2.0 * M * K * N, "padded_flops": 2.0 * M * K * N, "weight_tiles": busy,
+    busy = G - idle_groups(M, G)
+    # Its work items (ragged-dot-metadata's tables, sized tiles + G - 1) are (row tile, group) pairs, as in
+    # this project's Mosaic kernel: each reads its group's weights. Expected: every tile, plus one per group
+    # with rows, less one. Without the tables: each busy group's weights once.
+    sized = [s[0] for dt, s in ins if dt in ("s32", "u32") and len(s) == 1 and s[0] not in (1, G + 1)]
+    tiles = max(sized) - (G - 1) if sized else 0
+    items = tiles + busy - 1.0 if tiles > 0 else busy
+    t = {"routed_flops": 2.0 * M * K * N, "padded_flops": 2.0 * M * K * N, "weight_tiles": items,
          "blocks": 0, "working_blocks": 0}
     wb = _DT_BYTES[w[0]] * K * N
-    return {"tiles": t, "weight_bytes": G * wb, "weight_bytes_read": busy * wb, "eight_bit": x[0] in _EIGHT_BIT}
+    return {"tiles": t, "weight_bytes": G * wb, "weight_bytes_read": items * wb, "eight_bit": x[0] in _EIGHT_BIT}
+  if (m := _TPU_OWN.search(rest)):  # this project's Mosaic kernel (model/grouped_gemm_tpu.py): [Mp, K] x [G, K, N]
+    x = next((a for a in ins if len(a[1]) == 2 and a[0] not in ("s32", "u32")), None)
+    w = next((a for a in ins if len(a[1]) == 3), None)
+    if x is None or w is None or not outs:
+      return None
+    bm, (M, K), (G, _, N) = int(m.group(1)), x[1], w[1]
+    # A work item per (row tile, group) sharing rows: every tile once, plus one per group boundary inside a
+    # tile (about one per group with rows); each item reads its group's [K, N] weights and multiplies a
+    # full tile.
+    items = -(-M // bm) + max(G - idle_groups(M, G) - 1.0, 0.0)
+    wb = _DT_BYTES[w[0]] * K * N
+    t = {"routed_flops": 2.0 * M * K * N, "padded_flops": 2.0 * items * bm * K * N, "weight_tiles": items,
+         "blocks": 0, "working_blocks": 0}
+    return {"tiles": t, "weight_bytes": G * wb, "weight_bytes_read": items * wb, "eight_bit": x[0] in _EIGHT_BIT}
   if not _TRITON.search(rest):
     return None
   own = own_grouped_call(rest, ins, outs)
@@ -534,6 +554,7 @@ def idle_groups(M: int, G: int) -> float:
 
 
 _TPU_RAGGED = re.compile(r'custom_call_target="tpu_custom_call".*op_name="[^"]*ragged[-_]dot')
+_TPU_OWN = re.compile(r'custom_call_target="tpu_custom_call".*' + re.escape(grouped_gemm_tpu.NAME) + r"_bm(\d+)")
 _EIGHT_BIT = ("s8", "u8", "f8e4m3fn", "f8e5m2")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->(\w+)")

@@ -23,10 +23,11 @@ import warnings
 import jax
 import jax.numpy as jnp
 from absl import flags
+from jax.sharding import PartitionSpec as P
 
-from dinfer_jax import hardware
+from dinfer_jax import hardware, sharding
 from dinfer_jax.config import ModelConfig
-from dinfer_jax.model import grouped_gemm, quant
+from dinfer_jax.model import grouped_gemm, grouped_gemm_tpu, quant
 from dinfer_jax.model.layers import rms_normalize, swiglu
 
 # Token count above which "auto" switches from the dense kernel to ragged_dot on an accelerator other than a
@@ -37,6 +38,13 @@ from dinfer_jax.model.layers import rms_normalize, swiglu
 # On CPU ragged_dot is far slower than a batched einsum (BENCHMARKS.md: measured 2.4-6x), so CPU always
 # uses dense.
 ACCEL_DENSE_MAX_TOKENS = 128
+# On TPU the ragged path's grouped matmul: XLA TPU's ragged_dot, or with TPU_GROUPED_GEMM this project's
+# Pallas-Mosaic kernel (model/grouped_gemm_tpu.py) where it takes the weights (plain, 128-aligned). Both walk
+# the same (row tile, group) work items; compiled deviceless for a v6e (7B-A1B gate/up shapes, K 2048, N
+# 1024, 64 experts) XLA TPU's own cost model puts ragged_dot ahead: 0.20 against 0.23 ms at the batch-1
+# refresh's 10240 rows, 0.47 against 0.68 ms at batch 8's 81920 (ours pads x to its tile and masks rows past
+# the groups in extra passes). So ragged_dot, until the Mosaic kernel wins a compiled comparison.
+TPU_GROUPED_GEMM = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -156,6 +164,10 @@ def backend() -> str:
 def choose_impl(cfg: ModelConfig, n_tokens: int) -> str:
   if cfg.moe_impl != "auto":
     return cfg.moe_impl
+  if backend() == "tpu" and _PARTITIONED.get() and n_tokens > ACCEL_DENSE_MAX_TOKENS and _tensor_only_mesh():
+    # A TPU slice split by tensor only: the ragged path under shard_map (experts_ragged), each chip's grouped
+    # matmuls on its expert-FFN columns at the routed FLOPs; the dense kernel would run E/k times them.
+    return "ragged"
   if backend() == "cpu" or _PARTITIONED.get():
     return "dense"
   if backend() == "gpu":
@@ -238,6 +250,8 @@ def _grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     op = _tokamax_op(grouped_block_m(M, K, N, G))
     # A QArray goes in as it is: the Triton kernel loads the 8-bit tiles and scales them in registers.
     return _tokamax().ragged_dot(x, w.astype(x.dtype), sizes, implementation=[op] if op is not None else "triton")
+  if backend() == "tpu" and TPU_GROUPED_GEMM and grouped_gemm_tpu.supports(x, w):
+    return grouped_gemm_tpu.gmm(x, w, sizes, block_m=grouped_gemm_tpu.block_m_for(x.shape[0], w.shape[0]))
   return quant.ragged_dot(x, w, sizes)
 
 
@@ -261,8 +275,18 @@ def experts_dense(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_expert
 
 def experts_ragged(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int,
                    dot=None) -> jax.Array:
-  """Dropless sort-by-expert + grouped matmul (tokamax's on GPU, else XLA's ragged_dot); h [T, D] -> [T, D]."""
-  dot = dot or _grouped_dot
+  """Dropless sort-by-expert + grouped matmul (tokamax's on GPU, this project's Mosaic kernel or XLA's
+  ragged_dot on TPU, else XLA's); h [T, D] -> [T, D]. Traced for a mesh (moe.partitioned, a tensor-only
+  mesh: choose_impl) it runs per chip under shard_map: each chip's gate/up columns and down rows of every
+  expert on all routed rows, the partial outputs summed across "tensor" in fp32."""
+  mesh = sharding.current_mesh()
+  if dot is None and _PARTITIONED.get() and mesh is not None and mesh.size > 1:
+    return _ragged_tensor_parallel(h, w, idx, ex, n_experts, mesh)
+  return _ragged_sum(h, w, idx, ex, n_experts, dot or _grouped_dot).astype(h.dtype)
+
+
+def _ragged_sum(h, w, idx, ex, n_experts, dot) -> jax.Array:
+  """experts_ragged's output in fp32."""
   flat_e, order, tok = _sort_rows(idx)
   xs = h[tok]  # [T*k, D]
   sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
@@ -270,6 +294,29 @@ def experts_ragged(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_exper
   u = dot(xs, ex["up"], sizes)
   ys = dot(jax.nn.silu(g) * u, ex["down"], sizes)  # [T*k, D]
   return _combine(ys, w, order, tok, h)
+
+
+_EXPERT_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
+                "down": ("experts", "expert_mlp", "embed")}
+
+
+def _tensor_only_mesh() -> bool:
+  mesh = sharding.current_mesh()
+  return mesh is not None and mesh.shape.get("expert", 1) == 1 and mesh.shape.get("tensor", 1) > 1
+
+
+def _ragged_tensor_parallel(h, w, idx, ex, n_experts, mesh) -> jax.Array:
+  if mesh.shape.get("expert", 1) != 1:
+    raise ValueError(f"experts_ragged on a mesh {dict(mesh.shape)}: the ragged path splits experts' FFN by "
+                     "tensor only; an expert axis takes the dense kernel")
+  data = mesh.shape.get("data", 1)
+  rows = P("data", None) if data > 1 and h.shape[0] % data == 0 else P(None, None)
+  specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.param_shardings(ex, {k: _EXPERT_AXES[k] for k in ex}, mesh))
+
+  def local(h, w, idx, ex):
+    return jax.lax.psum(_ragged_sum(h, w, idx, ex, n_experts, _grouped_dot), "tensor")
+  out = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows)(h, w, idx, ex)
+  return out.astype(h.dtype)
 
 
 def _sort_rows(idx: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -283,8 +330,7 @@ def _sort_rows(idx: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 def _combine(ys: jax.Array, w: jax.Array, order: jax.Array, tok: jax.Array, h: jax.Array) -> jax.Array:
   """Sorted rows' outputs ys [T*k, D] weighted by their routing weights and summed per token in fp32."""
   ws = w.reshape(-1)[order]
-  out = jnp.zeros(h.shape, jnp.float32).at[tok].add(ys.astype(jnp.float32) * ws[:, None])
-  return out.astype(h.dtype)
+  return jnp.zeros(h.shape, jnp.float32).at[tok].add(ys.astype(jnp.float32) * ws[:, None])
 
 
 def _ragged_xla(h, w, idx, ex, n_experts):

@@ -646,3 +646,32 @@ ENTRY %main (p: bf16[64,2048], y: bf16[4,16]) -> (bf16[64,2048], bf16[8,16]) {
   assert "collective" not in one_chip
   with pytest.raises(ValueError, match="link_bytes_per_s"):
     dataclasses.replace(ch, link_bytes_per_s=0.0)
+
+
+def test_tpu_grouped_matmuls_are_charged_their_work_items():
+  """XLA TPU's ragged dot and this project's Mosaic kernel both walk (row tile, group) items, each reading its
+  group's weights: 10240 rows in 40 tiles of 256 over 64 groups (all of them busy at this many rows) make
+  40 + 64 - 1 = 103 weight reads, read off the ragged dot's metadata tables (sized tiles + G - 1) and off
+  the Mosaic kernel's name (its tile)."""
+  ragged = ('%d = bf16[10240,1024]{1,0} custom-call(%t, %i, %g, %n, %lhs, %rhs), custom_call_target="tpu_custom_call", '
+            'metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}')
+  ours = ('%d = bf16[10240,1024]{1,0} custom-call(%i, %g, %r, %st, %sz, %lhs, %rhs), custom_call_target="tpu_custom_call", '
+          'metadata={op_name="jit(f)/dinfer_gmm_tpu_bm256/pallas_call"}')
+  params = """  %t = s32[65]{0} parameter(0)
+  %i = s32[103]{0} parameter(1)
+  %g = s32[103]{0} parameter(2)
+  %n = s32[1]{0} parameter(3)
+  %r = s32[103]{0} parameter(4)
+  %st = s32[64]{0} parameter(5)
+  %sz = s32[64]{0} parameter(6)
+  %lhs = bf16[10240,2048]{1,0} parameter(7)
+  %rhs = bf16[64,2048,1024]{2,1,0} parameter(8)
+"""
+  wb = 2048 * 1024 * 2
+  for line in (ragged, ours):
+    text = f"HloModule m\n\nENTRY %main () -> bf16[10240,1024] {{\n{params}  ROOT {line}\n}}\n"
+    mod = realistic.Module(text)
+    c = realistic.grouped_call(mod, "bf16[10240,1024]{1,0}", line.split(" custom-call", 1)[1], realistic.CHARGES["v6e"])
+    busy = 64 - realistic.idle_groups(10240, 64)
+    assert c["weight_bytes"] == 64 * wb
+    assert c["weight_bytes_read"] == pytest.approx((40 + busy - 1) * wb) and busy > 63.99
