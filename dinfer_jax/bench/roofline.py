@@ -742,7 +742,7 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
     tpf = SETTINGS.get(setting)
     if tpf is None:
       raise ValueError(f"--setting {setting}: no known tokens-per-forward figure for it; give --tpf")
-  rows, predictions, label, targets = [], [], "", {}
+  rows, predictions, label, targets, unfit = [], [], "", {}, []
   for spec in chips:
     key, n = parse_chip(spec)
     kind = "tpu" if key in hardware.TPUS else target_kind
@@ -754,8 +754,18 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
     for w in weights:
       for cache in caches:
         for b in batches:
-          new = forward_rows(target, preset_name, b, cache, with_generate=with_generate, setting=setting,
-                             weights=w, charges=target.charges(), ends={c: target.charges(c) for c in ("slow", "fast")})
+          try:
+            new = forward_rows(target, preset_name, b, cache, with_generate=with_generate, setting=setting,
+                               weights=w, charges=target.charges(), ends={c: target.charges(c) for c in ("slow", "fast")})
+          except Exception as e:  # noqa: BLE001 - XLA's error type differs across jaxlib versions
+            if not overflows(e):
+              raise
+            # XLA TPU refuses a program that overflows HBM: that is the answer for this chip and batch.
+            unfit.append({"chip": target.chip_name, "batch": b, "cache": cache, "weights": w,
+                          "error": str(e).strip().splitlines()[0][:400]})
+            if progress:
+              progress(_unfit_line(unfit[-1]))
+            continue
           for r in new:
             if progress:
               progress(_line(r))
@@ -771,13 +781,19 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
                          "charges": {c: dataclasses.asdict(t.charges()) for c, t in targets.items()},
                          "charge_ranges": {c: {case: dataclasses.asdict(t.charges(case)) for case in ("slow", "fast")}
                                            for c, t in targets.items()},
-                         "tpf": tpf, "rows": rows, "predictions": predictions, "jax": jax.__version__,
+                         "tpf": tpf, "rows": rows, "predictions": predictions, "does_not_fit": unfit, "jax": jax.__version__,
                          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
   out.update(summary(rows, predictions, targets[chips[0]].chip_name, weights))
   first = targets[chips[0]]
   out["memory_fit"] = memory_fit([r for r in rows if r["chip"] == first.chip_name and r["cache"] == "dual"
                                   and r.get("weights", "bf16") == weights[0]], first.chip.memory_bytes)
   return out
+
+
+def overflows(e: BaseException) -> bool:
+  """Whether a compile failed for want of device memory (XLA: RESOURCE_EXHAUSTED, 'out of memory')."""
+  text = str(e)
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def memory_fit(rows: list[dict[str, Any]], hbm_bytes: int) -> dict[str, Any]:
@@ -838,6 +854,10 @@ def summary(rows, predictions, chip: str, weights: tuple[str, ...]) -> dict[str,
     out[f"dequantized_copy_bytes_{tag}"] = sum(r["dequantized_copy_bytes"] for r in rows
                                                if r.get("weights") == w and r["kind"] != "generate")
   return out
+
+
+def _unfit_line(u: dict[str, Any]) -> str:
+  return f"{u['chip']} b{u['batch']} {u['cache']} {u['weights']}: does not fit ({u['error']})"
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -905,6 +925,7 @@ def markdown(res: dict[str, Any]) -> str:
                  f"| {p.get('composed_realistic_tps_per_seq', p['realistic_tps_per_seq']):.0f} / "
                  f"{p.get('composed_realistic_tps_aggregate', p['realistic_tps_aggregate']):.0f} "
                  f"| {p['floor_tps_per_seq']:.0f} |")
+  lines += [f"- {_unfit_line(u)}" for u in res.get("does_not_fit", [])]
   return "\n".join(lines)
 
 

@@ -304,3 +304,23 @@ def test_memory_fit_from_two_batches_by_hand():
   assert (fit["memory_per_row_bytes"], fit["memory_fixed_bytes"]) == (4, 12)
   assert fit["max_batch_per_chip"] == 22 and fit["max_canvas_batch1"] == 22000
   assert "max_batch_per_chip" not in roofline.memory_fit(rows[:1], 100)  # one batch: no slope
+
+
+def test_a_program_that_overflows_the_chip_is_reported_not_raised(monkeypatch):
+  """XLA TPU refuses a program that overflows HBM (v5e's 16 GB and the 7B-A1B in bf16): the bench lists the
+  chip, batch and weights under does_not_fit and goes on; other compile errors still raise."""
+  real = roofline.forward_rows
+
+  def rows(target, preset, b, cache, **kw):
+    if b == 2:
+      raise RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+                         "hbm. Used 17.2G of 15.75G hbm.")
+    return real(target, preset, b, cache, **kw)
+  monkeypatch.setattr(roofline, "forward_rows", rows)
+  res = roofline.run("tiny", ["h200"], [1, 2], ["dual"], "cpu", progress=None, with_generate=False)
+  assert [u["batch"] for u in res["does_not_fit"]] == [2] and "Ran out of memory" in res["does_not_fit"][0]["error"]
+  assert {r["batch"] for r in res["rows"]} == {1} and res["realistic_tps_batch1"] > 0
+  assert "does not fit" in roofline.markdown(res)
+  monkeypatch.setattr(roofline, "forward_rows", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("INTERNAL: bad")))
+  with pytest.raises(RuntimeError, match="INTERNAL"):
+    roofline.run("tiny", ["h200"], [1], ["dual"], "cpu", progress=None, with_generate=False)
