@@ -541,7 +541,8 @@ def forward_rows(target: Target, preset_name: str, batch: int, cache: str, *, dt
     # A slice's rows are per chip: its share of the floor, the model's split evenly over the chips.
     floor_bytes = (floor["total"] + batch * L * cfg.vocab_size * 4) / target.n_chips  # + fp32 logits written
     routed = flops_per_forward(cfg, batch=batch, tokens=tokens, kv_len=Tc, logits_tokens=L) / target.n_chips
-    with moe.target_backend(target.backend), moe.partitioned(target.n_chips > 1):
+    slice_mesh = sharding.use_mesh(target.mesh) if target.n_chips > 1 else contextlib.nullcontext()
+    with moe.target_backend(target.backend), moe.partitioned(target.n_chips > 1), slice_mesh:
       impl = moe.choose_impl(cfg, batch * tokens) if cfg.n_moe_layers else "n/a"
       if impl == "grouped":  # model/grouped_gemm.py; block-scaled 8-bit experts go to the ragged path
         impl = "ragged" if (qc is not None and qc.scales == "block") else "grouped/pallas-triton"

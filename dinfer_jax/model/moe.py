@@ -38,6 +38,12 @@ from dinfer_jax.model.layers import rms_normalize, swiglu
 # On CPU ragged_dot is far slower than a batched einsum (BENCHMARKS.md: measured 2.4-6x), so CPU always
 # uses dense.
 ACCEL_DENSE_MAX_TOKENS = 128
+# A TPU slice split by tensor: every chip runs every routed row (k copies of each token's activations) on
+# its share of each expert's FFN, so past some token count the rows' traffic outweighs the dense kernel's
+# FLOPs. Compiled deviceless for v6e x4 (tensor=4, 7B-A1B, bf16; bench.roofline): the batch-8 cached window
+# (768 tokens) 4.96 ms ragged against 6.29 dense; the batch-1 refresh (1280 tokens) 7.61 against 5.72; the
+# batch-8 refresh (10240) 69 against 47.
+SLICE_RAGGED_MAX_TOKENS = 1024
 # On TPU the ragged path's grouped matmul: XLA TPU's ragged_dot, or with TPU_GROUPED_GEMM this project's
 # Pallas-Mosaic kernel (model/grouped_gemm_tpu.py) where it takes the weights (plain, 128-aligned). Both walk
 # the same (row tile, group) work items; compiled deviceless for a v6e (7B-A1B gate/up shapes, K 2048, N
@@ -164,7 +170,8 @@ def backend() -> str:
 def choose_impl(cfg: ModelConfig, n_tokens: int) -> str:
   if cfg.moe_impl != "auto":
     return cfg.moe_impl
-  if backend() == "tpu" and _PARTITIONED.get() and n_tokens > ACCEL_DENSE_MAX_TOKENS and _tensor_only_mesh():
+  if (backend() == "tpu" and _PARTITIONED.get() and ACCEL_DENSE_MAX_TOKENS < n_tokens <= SLICE_RAGGED_MAX_TOKENS
+      and _tensor_only_mesh()):
     # A TPU slice split by tensor only: the ragged path under shard_map (experts_ragged), each chip's grouped
     # matmuls on its expert-FFN columns at the routed FLOPs; the dense kernel would run E/k times them.
     return "ragged"
@@ -278,7 +285,7 @@ def experts_ragged(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_exper
   """Dropless sort-by-expert + grouped matmul (tokamax's on GPU, this project's Mosaic kernel or XLA's
   ragged_dot on TPU, else XLA's); h [T, D] -> [T, D]. Traced for a mesh (moe.partitioned, a tensor-only
   mesh: choose_impl) it runs per chip under shard_map: each chip's gate/up columns and down rows of every
-  expert on all routed rows, the partial outputs summed across "tensor" in fp32."""
+  expert on all routed rows, the partial outputs summed across "tensor" in h's dtype (as GSPMD sums the dense kernel's)."""
   mesh = sharding.current_mesh()
   if dot is None and _PARTITIONED.get() and mesh is not None and mesh.size > 1:
     return _ragged_tensor_parallel(h, w, idx, ex, n_experts, mesh)
@@ -313,10 +320,11 @@ def _ragged_tensor_parallel(h, w, idx, ex, n_experts, mesh) -> jax.Array:
   rows = P("data", None) if data > 1 and h.shape[0] % data == 0 else P(None, None)
   specs = jax.tree_util.tree_map(lambda s: s.spec, sharding.param_shardings(ex, {k: _EXPERT_AXES[k] for k in ex}, mesh))
 
+  # Each chip's partial sum leaves in h's dtype, as GSPMD all-reduces the dense kernel's (bf16 in production:
+  # half the bytes over the links of an fp32 psum, which the batch-1 refresh would spend 1.1 ms on).
   def local(h, w, idx, ex):
-    return jax.lax.psum(_ragged_sum(h, w, idx, ex, n_experts, _grouped_dot), "tensor")
-  out = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows)(h, w, idx, ex)
-  return out.astype(h.dtype)
+    return jax.lax.psum(_ragged_sum(h, w, idx, ex, n_experts, _grouped_dot).astype(h.dtype), "tensor")
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows)(h, w, idx, ex)
 
 
 def _sort_rows(idx: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -328,9 +336,16 @@ def _sort_rows(idx: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _combine(ys: jax.Array, w: jax.Array, order: jax.Array, tok: jax.Array, h: jax.Array) -> jax.Array:
-  """Sorted rows' outputs ys [T*k, D] weighted by their routing weights and summed per token in fp32."""
-  ws = w.reshape(-1)[order]
-  return jnp.zeros(h.shape, jnp.float32).at[tok].add(ys.astype(jnp.float32) * ws[:, None])
+  """Sorted rows' outputs ys [T*k, D] weighted by their routing weights and summed per token in fp32.
+
+  Each token's k rows are gathered back to [T, k, D] and reduced over k (one fusion reading ys once), rather
+  than scatter-added: the scatter wrote an fp32 copy of every row first (a TPU slice's batch-8 refresh
+  spent 1.75 GB per layer there)."""
+  del tok
+  T, k = w.shape
+  back = jnp.zeros((T * k,), jnp.int32).at[order].set(jnp.arange(T * k, dtype=jnp.int32))  # sorted slot of each row
+  rows = ys[back].reshape(T, k, ys.shape[-1])
+  return jnp.sum(rows.astype(jnp.float32) * w[:, :, None].astype(jnp.float32), axis=1)
 
 
 def _ragged_xla(h, w, idx, ex, n_experts):

@@ -35,6 +35,7 @@ def test_a_tpu_slice_split_by_tensor_takes_the_ragged_kernel_above_the_dense_cou
   with moe.target_backend("tpu"), moe.partitioned(True):
     with sharding.use_mesh(make_mesh(tensor=4)):
       assert (moe.choose_impl(cfg, many), moe.choose_impl(cfg, few)) == ("ragged", "dense")
+      assert moe.choose_impl(cfg, moe.SLICE_RAGGED_MAX_TOKENS + 1) == "dense"  # every chip runs every row
     with sharding.use_mesh(make_mesh(tensor=2, expert=2)):
       assert moe.choose_impl(cfg, many) == "dense"  # experts split across chips: the dense einsums
   with moe.target_backend("gpu"), moe.partitioned(True), sharding.use_mesh(make_mesh(tensor=4)):
