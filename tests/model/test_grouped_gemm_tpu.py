@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dinfer_jax.model import grouped_gemm_tpu as gt, moe, quant
+from tests.moe_case import random_moe
 
 
 def test_work_items_by_hand():
@@ -51,12 +52,7 @@ def test_moe_through_the_tpu_kernel_matches_the_loop_reference():
   """The ragged MoE (sort by expert, gate/up/down grouped) with the Mosaic kernel as its grouped matmul, in
   fp32, against a Python loop over experts; and the kernel declines 8-bit weights (they go to ragged_dot)."""
   T, D, F, E, k = 48, 128, 256, 8, 2
-  rng = np.random.default_rng(0)
-  h = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
-  ex = {n: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
-        for n, s in (("gate", (E, D, F)), ("up", (E, D, F)), ("down", (E, F, D)))}
-  idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
-  w = jax.nn.softmax(jnp.asarray(rng.standard_normal((T, k)), jnp.float32), axis=-1)
+  h, w, idx, ex = random_moe(T, D, F, E, k, seed=0)
   dot = functools.partial(gt.gmm, block_m=32, interpret=True)
   out = moe.experts_ragged(h, w, idx, ex, E, dot=dot)
   np.testing.assert_allclose(out, moe.moe_loop_reference(h, w, idx, ex, E), rtol=1e-5, atol=1e-4)

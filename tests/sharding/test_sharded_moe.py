@@ -2,24 +2,19 @@
 shard_map, the partial outputs summed, equal the plain loop over experts; and the kernel choice that takes
 it (a TPU slice split by tensor only, above the dense kernel's token count)."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dinfer_jax import make_mesh, sharding
 from dinfer_jax.config import ModelConfig
 from dinfer_jax.model import moe
+from tests.moe_case import random_moe
 
 
 @pytest.mark.parametrize("layout", [dict(tensor=4), dict(data=2, tensor=4)])
 def test_ragged_moe_split_by_tensor_matches_the_loop(layout):
   T, D, F, E, k = 24, 16, 32, 8, 2
-  rng = np.random.default_rng(1)
-  h = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
-  ex = {n: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.float32)
-        for n, s in (("gate", (E, D, F)), ("up", (E, D, F)), ("down", (E, F, D)))}
-  idx = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
-  w = jax.nn.softmax(jnp.asarray(rng.standard_normal((T, k)), jnp.float32), axis=-1)
+  h, w, idx, ex = random_moe(T, D, F, E, k, seed=1)
   mesh = make_mesh(**layout)
   axes = {n: moe._EXPERT_AXES[n] for n in ex}
   ex_sharded = jax.device_put(ex, sharding.param_shardings(ex, axes, mesh))
