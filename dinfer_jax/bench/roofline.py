@@ -778,7 +778,7 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
                          realistic_tps_per_seq_range=[lo["realistic_tps_per_seq"], hi["realistic_tps_per_seq"]],
                          realistic_tps_aggregate_range=[lo["realistic_tps_aggregate"], hi["realistic_tps_aggregate"]])
                     for p, lo, hi in zip(predict(chip_rows, preset_name, tpf, target.charges()), slow, fast)]
-  out: dict[str, Any] = {"preset": preset_name, "target": target_kind, "label": label, "setting": setting,
+  out: dict[str, Any] = {"preset": preset_name, "target": targets[chips[0]].kind, "label": label, "setting": setting,
                          "charges": {c: dataclasses.asdict(t.charges()) for c, t in targets.items()},
                          "charge_ranges": {c: {case: dataclasses.asdict(t.charges(case)) for case in ("slow", "fast")}
                                            for c, t in targets.items()},
