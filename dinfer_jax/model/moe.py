@@ -162,6 +162,11 @@ def partitioned(on: bool = True):
     _PARTITIONED.reset(tok)
 
 
+def partitioned_now() -> bool:
+  """Whether the program being traced is for a mesh (partitioned)."""
+  return _PARTITIONED.get()
+
+
 def backend() -> str:
   """The backend kernel choices are made for: target_backend's, else the default backend."""
   return _TARGET.get() or jax.default_backend()

@@ -67,7 +67,7 @@ def _queries_keys(h, lp, cfg: ModelConfig, positions) -> tuple[jax.Array, jax.Ar
 
 
 def _layer(x, lp, kv_in, xn=None, *, cfg: ModelConfig, moe: bool, positions, mask, cache_start, write_mask,
-           moe_impl, in_place: bool = False, token_valid=None):
+           moe_impl, in_place: bool = False, token_valid=None, keys_valid=None):
   """One pre-norm block. x [B, T, D]; kv_in (k, v) [B, S, K, H] or None; xn: rms_normalize(x) when the block
   before computed it (its MoE combine kernel did). in_place: the fresh K/V go into kv_in's buffers (where
   write_mask) and those buffers come back, in the cache dtype. Returns (x, its rms_normalize or None, K/V)."""
@@ -89,7 +89,7 @@ def _layer(x, lp, kv_in, xn=None, *, cfg: ModelConfig, moe: bool, positions, mas
     else:
       keys = update_rows(ck, k.astype(ck.dtype), cache_start)
       vals = update_rows(cv, v.astype(cv.dtype), cache_start)
-  a = attention(q, keys.astype(dt), vals.astype(dt), mask)
+  a = attention(q, keys.astype(dt), vals.astype(dt), mask, keys_valid)
   x = x + quant.einsum("BTNH,NHD->BTD", a, lp["o"])
   xn = None
   if moe:
@@ -165,6 +165,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
   if keep_cache and (cache is None or not cache.per_layer):
     raise ValueError("forward: keep_cache needs a per-layer cache (KVCache.zeros(..., per_layer=True))")
   amask = attention_mask(mask, T)
+  keys_valid = mask if mask is not None and mask.ndim == 2 else None  # one mask per key: attention's kernel choice
   x = shard(x, ("act_batch", "act_len", "act_embed"))
   # Block routing (LLaDA2.2) groups real tokens by aligned positions: which inputs are real, from the mask.
   token_valid = _query_valid(mask, B, T, cache_start) if cfg.router == "sigmoid_block" else None
@@ -176,7 +177,7 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array | None = None, *,
     if n == 0:
       continue
     kv_in = None if cache is None else (cache.k[start:start + n], cache.v[start:start + n])
-    body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, mask=amask,
+    body = functools.partial(_layer, cfg=cfg, moe=is_moe, positions=positions, mask=amask, keys_valid=keys_valid,
                              cache_start=cache_start, write_mask=write_mask, moe_impl=moe_impl,
                              in_place=keep_cache, token_valid=token_valid)
     if remat:
