@@ -562,6 +562,7 @@ _WINDOW = re.compile(r"window=\{size=([\dx]+)")
 _CUBLAS = re.compile(r'custom_call_target="__cublas\$(?:lt\$)?(?:gemm|matmul)')
 _CUBLAS_CONTRACT = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 _CUDNN = re.compile(r'custom_call_target="__cudnn\$fmha')
+_TPU_CALL = re.compile(r'custom_call_target="tpu_custom_call"')
 
 
 def dot_flops(mod: Module, comp: str) -> tuple[float, float]:
@@ -877,6 +878,12 @@ def kernel_costs(mod: Module, ch: Charges, comp: str | None = None, nested: bool
       elif op == "custom-call":
         if _CUDNN.search(rest):
           cls, flops = "attention", attention_flops(ins)
+        elif name.startswith("splash_mha") and _TPU_CALL.search(rest):  # Pallas's TPU splash kernel: q [B, N, T, H], k [B, N, S, H]
+          qk = [s for dt, s in ins if len(s) == 4 and dt not in _EIGHT_BIT][:2]
+          cls = "attention"
+          if len(qk) == 2:
+            (B, N, T, H), S = qk[0], qk[1][2]
+            flops = 4.0 * B * N * T * S * H
         elif _CUBLAS.search(rest):
           cls = "gemm"
           k = _CUBLAS_CONTRACT.search(rest)

@@ -675,3 +675,20 @@ def test_tpu_grouped_matmuls_are_charged_their_work_items():
     busy = 64 - realistic.idle_groups(10240, 64)
     assert c["weight_bytes"] == 64 * wb
     assert c["weight_bytes_read"] == pytest.approx((40 + busy - 1) * wb) and busy > 63.99
+
+
+def test_tpu_splash_attention_is_charged_its_products():
+  """Pallas's splash kernel on a TPU, known by its name: 4 B N T S H FLOPs from q [B, N, T, H] and k [B, N,
+  S, H] (its 8-bit mask tables aside), in the attention class."""
+  text = """HloModule m
+
+ENTRY %main (a: s8[1,1,5], q: bf16[2,4,96,128], k: bf16[2,4,1280,128], v: bf16[2,4,1280,128]) -> bf16[2,4,96,128] {
+  %a = s8[1,1,5]{2,1,0} parameter(0)
+  %q = bf16[2,4,96,128]{3,2,1,0} parameter(1)
+  %k = bf16[2,4,1280,128]{3,2,1,0} parameter(2)
+  %v = bf16[2,4,1280,128]{3,2,1,0} parameter(3)
+  ROOT %splash_mha_fwd_segmented_no_residuals.3 = bf16[2,4,96,128]{3,2,1,0} custom-call(%a, %a, %q, %k, %v), custom_call_target="tpu_custom_call"
+}
+"""
+  (k,) = realistic.kernel_costs(realistic.Module(text), realistic.CHARGES["v6e"])
+  assert k.cls == "attention" and k.flops == 4.0 * 2 * 4 * 96 * 1280 * 128
