@@ -705,7 +705,9 @@ def subprogram(text: str, comp: str) -> str:
       continue
     if cur is not None:
       out.append(line)
-      if line.startswith("}"):
+      # A computation ends on a line of its own: an instruction's backend config can run over several lines,
+      # one of them starting with "}" (Pallas's splash kernel's xprof metadata).
+      if line.rstrip() == "}":
         cur = None
   return "\n".join(out) + "\n"
 

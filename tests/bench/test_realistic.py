@@ -692,3 +692,24 @@ ENTRY %main (a: s8[1,1,5], q: bf16[2,4,96,128], k: bf16[2,4,1280,128], v: bf16[2
 """
   (k,) = realistic.kernel_costs(realistic.Module(text), realistic.CHARGES["v6e"])
   assert k.cls == "attention" and k.flops == 4.0 * 2 * 4 * 96 * 1280 * 128
+
+
+def test_subprogram_keeps_an_instruction_whose_config_runs_over_lines():
+  """Pallas's splash kernel prints its backend config over several lines, one starting with '}': the
+  computation goes on to its own closing line."""
+  text = """HloModule m
+
+%body (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %c = f32[8]{0} custom-call(%p), custom_call_target="tpu_custom_call", backend_config={"a":"{\\"x\\":
+}"}
+  ROOT %n = f32[8]{0} negate(%c)
+}
+
+ENTRY %main (q: f32[8]) -> f32[8] {
+  %q = f32[8]{0} parameter(0)
+  ROOT %r = f32[8]{0} call(%q), to_apply=%body
+}
+"""
+  sub = realistic.subprogram(text, "body")
+  assert sub.splitlines()[-1] == "}" and "ROOT %n = f32[8]{0} negate(%c)" in sub
