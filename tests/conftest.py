@@ -53,6 +53,9 @@ def pytest_sessionfinish(session, exitstatus):
 # The multi-process, sharded-training, lm-eval and mixed-pool serving tests are among them: run
 # `pytest -m slow` (about 25 min) before changing those parts.
 SLOW_CASES = (
+    # The whole forward on the GPU grouped kernels in the interpreter (24 s): the MoE layer's kernel-vs-
+    # reference test keeps the kernels in the default run.
+    "tests/model/test_grouped_gemm.py::test_forward_on_the_grouped_kernels_matches_the_dense_forward",
     # The TPU grouped GEMM in the interpreter: the multi-tile case stays (and the MoE-vs-loop test).
     "tests/model/test_grouped_gemm_tpu.py::test_gmm_matches_ragged_dot[300-256-256-5-128]",
     "tests/model/test_grouped_gemm_tpu.py::test_gmm_matches_ragged_dot[40-128-128-64-128]",
