@@ -305,7 +305,7 @@ def _ragged_sum(h, w, idx, ex, n_experts, dot) -> jax.Array:
   g = dot(xs, ex["gate"], sizes)
   u = dot(xs, ex["up"], sizes)
   ys = dot(jax.nn.silu(g) * u, ex["down"], sizes)  # [T*k, D]
-  return _combine(ys, w, order, tok, h)
+  return _combine(ys, w, order)
 
 
 _EXPERT_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
@@ -340,13 +340,12 @@ def _sort_rows(idx: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   return flat_e, order, order // idx.shape[1]
 
 
-def _combine(ys: jax.Array, w: jax.Array, order: jax.Array, tok: jax.Array, h: jax.Array) -> jax.Array:
+def _combine(ys: jax.Array, w: jax.Array, order: jax.Array) -> jax.Array:
   """Sorted rows' outputs ys [T*k, D] weighted by their routing weights and summed per token in fp32.
 
   Each token's k rows are gathered back to [T, k, D] and reduced over k (one fusion reading ys once), rather
   than scatter-added: the scatter wrote an fp32 copy of every row first (a TPU slice's batch-8 refresh
   spent 1.75 GB per layer there)."""
-  del tok
   T, k = w.shape
   back = jnp.zeros((T * k,), jnp.int32).at[order].set(jnp.arange(T * k, dtype=jnp.int32))  # sorted slot of each row
   rows = ys[back].reshape(T, k, ys.shape[-1])
