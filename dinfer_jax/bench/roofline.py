@@ -233,14 +233,14 @@ class Target:
   def compile(self, fn, *args, donate=(), options: dict | None = None):
     # jax 0.11's Pallas-Triton lowering reads the GPU it compiles for from the abstract mesh's device when the
     # process has none ("No supported GPU devices found" otherwise; jax 0.10 did not ask): the topology's.
-    abstract = (jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh) if self.mesh is not None
-                else contextlib.nullcontext())
+    mesh_ctx = contextlib.ExitStack()
     if self.n_chips > 1:  # as the engine traces a program for a mesh (engine.generate)
-      abstract = contextlib.ExitStack()
-      abstract.enter_context(sharding.use_mesh(self.mesh))
-      abstract.enter_context(moe.partitioned(True))
+      mesh_ctx.enter_context(sharding.use_mesh(self.mesh))
+      mesh_ctx.enter_context(moe.partitioned(True))
+    elif self.mesh is not None:
+      mesh_ctx.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
     tuned = hardware.target(self.chip.key) if self.kind != "tpu" else contextlib.nullcontext()
-    with moe.target_backend(self.backend), tuned, deviceless_tokamax(self.kind == "cuda"), abstract:
+    with moe.target_backend(self.backend), tuned, deviceless_tokamax(self.kind == "cuda"), mesh_ctx:
       t = time.perf_counter()
       jf = jax.jit(fn, donate_argnums=donate if self.kind != "cpu" else (),
                    compiler_options=options or None)
