@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dinfer_jax.model import quant
@@ -58,7 +58,8 @@ def make_mesh(*, data: int = 1, tensor: int = 1, expert: int = 1, devices: Seque
   """A (data, tensor, expert) mesh over the first data*tensor*expert devices.
 
   Devices are ordered by (process, id), so with several processes (one per host) tensor and expert groups
-  stay inside a host (fast links) and the data axis is what crosses hosts."""
+  stay inside a host (fast links) and the data axis is what crosses hosts. A whole TPU slice is laid out by
+  its chips' coordinates instead (its links join hosts too)."""
   for name, n in (("data", data), ("tensor", tensor), ("expert", expert)):
     if not isinstance(n, int) or n < 1:
       raise ValueError(f"make_mesh: {name}={n!r} must be a positive int")
@@ -67,6 +68,12 @@ def make_mesh(*, data: int = 1, tensor: int = 1, expert: int = 1, devices: Seque
   n = data * tensor * expert
   if n > len(devices):
     raise ValueError(f"make_mesh: data*tensor*expert = {n} devices requested, only {len(devices)} available")
+  if n == len(devices) and devices[0].platform == "tpu":
+    # A whole TPU slice, on one host or several: its chips are laid out by their torus coordinates, so each
+    # tensor or expert group is a ring of ICI neighbours (id order can put a group's chips hops apart). ICI
+    # joins every chip of a slice, hosts included, so groups may cross hosts.
+    return Mesh(mesh_utils.create_device_mesh((data, tensor, expert), devices, allow_split_physical_axes=True),
+                MESH_AXES)
   return Mesh(np.array(devices[:n]).reshape(data, tensor, expert), MESH_AXES)
 
 
@@ -76,8 +83,9 @@ def add_parallel_flags(ap) -> None:
   g = ap.add_argument_group("parallelism (sharding.make_mesh; several processes with jax.distributed)")
   g.add_argument("--mesh", default=None, metavar="data=D,tensor=T,expert=E",
                  help="device mesh; default: none on one process, data=<all devices> on several")
-  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                 help="jax.distributed coordinator (process 0's address); enables multi-process")
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT|auto",
+                 help="jax.distributed coordinator (process 0's address); enables multi-process. 'auto': the "
+                      "cluster tells jax.distributed (every host of a Cloud TPU slice, SLURM, Open MPI)")
   g.add_argument("--num-processes", type=int, default=None)
   g.add_argument("--process-id", type=int, default=None)
 
@@ -96,7 +104,14 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 def setup_parallel(args) -> Mesh | None:
   """Starts jax.distributed when --coordinator is given and returns the mesh the flags ask for."""
-  if args.coordinator is not None:
+  if args.coordinator == "auto":
+    if args.num_processes is not None or args.process_id is not None:
+      raise ValueError("--coordinator auto takes the process count and id from the cluster; drop "
+                       "--num-processes/--process-id (or name the coordinator's HOST:PORT)")
+    # The same command on every host: jax.distributed reads the peers from the cluster (a TPU VM's
+    # metadata, SLURM's or Open MPI's environment).
+    jax.distributed.initialize()
+  elif args.coordinator is not None:
     if args.num_processes is None or args.process_id is None:
       raise ValueError("--coordinator needs --num-processes and --process-id")
     if not 0 <= args.process_id < args.num_processes:

@@ -120,7 +120,7 @@ def tpu_mesh(key: str, layout: dict[str, int]):
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   extra = {"chips_per_host_bounds": (1, 1, 1)} if n == 1 else {}
   topo = topologies.get_topology_desc(topology_name=f"{key}:{names[n]}", platform="tpu", **extra)
-  return topologies.make_mesh(topo, tuple(layout.get(a, 1) for a in sharding.MESH_AXES), sharding.MESH_AXES)
+  return sharding.make_mesh(devices=topo.devices, **{a: layout.get(a, 1) for a in sharding.MESH_AXES})
 
 
 def libtpu_available() -> bool:

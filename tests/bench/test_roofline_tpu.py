@@ -68,3 +68,22 @@ def test_a_v6e_slice_compiles_the_generate_program_per_chip():
   assert set(res) == set(one) and res["realistic_tps_batch1"] > 0
   with pytest.raises(ValueError, match="4 chips for --chips v6e-8"):
     roofline.run("tiny", ["v6e-8"], [1], ["dual"], "cpu", progress=None, mesh={"tensor": 4})
+
+
+def test_a_two_host_v5e_slice_is_laid_out_by_its_links_and_compiles():
+  """A v5e-8 slice spans two hosts of four chips. sharding.make_mesh (the engine's mesh, and the bench's) lays
+  a whole TPU slice out by chip coordinates as jax's mesh_utils does, so a tensor group is a ring of ICI
+  neighbours that crosses the hosts; the sharded forward compiles for it with collectives over all 8 chips."""
+  from jax.experimental import mesh_utils
+
+  from dinfer_jax import sharding
+  from dinfer_jax.bench import mesh_compile, presets
+  mesh = roofline.tpu_mesh("v5e", {"tensor": 4, "expert": 2})
+  devices = list(mesh.devices.flat)
+  assert sorted({d.process_index for d in devices}) == [0, 1]
+  expected = mesh_utils.create_device_mesh((1, 4, 2), devices, allow_split_physical_axes=True)
+  assert [d.id for d in mesh.devices.flat] == [d.id for d in expected.flat]
+  ordered = sharding.make_mesh(tensor=4, expert=2, devices=sorted(devices, key=lambda d: -d.id))
+  assert [d.id for d in ordered.devices.flat] == [d.id for d in mesh.devices.flat]  # not the list's order
+  a = mesh_compile.analyse(mesh_compile.compile_forward(presets.get("tiny").model(), mesh, 1, "cached"), 8, "v5e")
+  assert a["collectives"] and a["t_collectives_s"] > 0

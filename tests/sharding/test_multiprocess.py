@@ -85,6 +85,7 @@ def test_train_on_two_processes_equals_one(tmp_path):
     (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
      "--process-id 2 is outside [0, --num-processes=2)"),
     (["--process-id", "1"], "--num-processes/--process-id need --coordinator"),
+    (["--coordinator", "auto", "--num-processes", "2"], "--coordinator auto takes the process count and id from"),
     (["--mesh", "data=16"], "16 devices requested, only 8 available"),
 ])
 def test_parallel_flags_fail_with_one_line(argv, msg, capsys):
@@ -109,3 +110,15 @@ def test_collect_on_two_processes_equals_one(tmp_path):
   assert len(one["index"]) > 0
   for c in td_data.COLUMNS:
     assert [one[c][i] for i in order(one)] == [two[c][i] for i in order(two)], c
+
+
+def test_coordinator_auto_lets_the_cluster_name_the_peers(monkeypatch):
+  """`--coordinator auto` (the same command on every host of a TPU slice): jax.distributed is started with no
+  addresses, so it reads them from the cluster (a Cloud TPU VM's metadata, SLURM, Open MPI)."""
+  import argparse
+
+  from dinfer_jax import sharding
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append((a, k)))
+  args = argparse.Namespace(coordinator="auto", num_processes=None, process_id=None, mesh=None)
+  assert sharding.setup_parallel(args) is None and calls == [((), {})]
