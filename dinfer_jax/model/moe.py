@@ -264,7 +264,7 @@ def _grouped_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     return _tokamax().ragged_dot(x, w.astype(x.dtype), sizes, implementation=[op] if op is not None else "triton")
   if backend() == "tpu" and TPU_GROUPED_GEMM and grouped_gemm_tpu.supports(x, w):
     return grouped_gemm_tpu.gmm(x, w, sizes, block_m=grouped_gemm_tpu.block_m_for(x.shape[0], w.shape[0]))
-  return quant.ragged_dot(x, w, sizes)
+  return quant.ragged_dot(x, w, sizes, eight_bit_operand=backend() == "tpu")
 
 
 def experts_dense(h: jax.Array, w: jax.Array, idx: jax.Array, ex: dict, n_experts: int) -> jax.Array:

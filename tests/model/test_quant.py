@@ -307,3 +307,26 @@ def test_eight_bit_embedding_table():
                              forward(quant.dequantize_params(qp), m.config, x).logits, atol=1e-5)
   with pytest.raises(ValueError, match="per-channel scales only"):
     quant.QuantConfig.parse("fp8-block+embed")
+
+
+@pytest.mark.parametrize("path", [("experts", "gate"), ("experts", "down")])
+@pytest.mark.parametrize("eight_bit_operand", [False, True])
+def test_ragged_dot_applies_the_scales_outside_the_product(path, eight_bit_operand):
+  """quant.ragged_dot on per-channel 8-bit expert weights (per output column for gate/up, per input channel for
+  the experts' down projection) equals ragged_dot on the dequantised weights, row by row by its group; with
+  eight_bit_operand (TPU) the 8-bit values themselves go into the product."""
+  G, K, N = 4, 16, 8
+  rng = np.random.default_rng(0)
+  w = quant.quantize_leaf(path, rng.standard_normal((G, K, N)).astype(np.float32), quant.QuantConfig("int8", "channel"))
+  assert w.scale.shape == ((G, K, 1) if path[-1] == "down" else (G, 1, N))
+  sizes = jnp.array([3, 0, 5, 2], jnp.int32)
+  x = jnp.asarray(rng.standard_normal((10, K)), jnp.float32)
+  ref = jax.lax.ragged_dot(x, quant.dequantize(w, jnp.float32), sizes)
+  out = jax.jit(lambda x, w, s: quant.ragged_dot(x, w, s, eight_bit_operand=eight_bit_operand))(x, w, sizes)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  # Each group's rows by hand: x_g @ (q_g * s_g).
+  start = 0
+  for g, n in enumerate(np.asarray(sizes)):
+    wg = np.asarray(w.qvalue[g], np.float32) * np.asarray(w.scale[g], np.float32)
+    np.testing.assert_allclose(np.asarray(out[start:start + n]), np.asarray(x[start:start + n]) @ wg, rtol=1e-5, atol=1e-5)
+    start += n
