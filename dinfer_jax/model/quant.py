@@ -524,26 +524,37 @@ def ragged_dot(x: jax.Array, w, sizes: jax.Array, eight_bit_operand: bool = Fals
   A per-channel QArray multiplies by its 8-bit values and applies the scales outside the product, as einsum
   does: each row's group's scales to the output ([G, 1, N]: gate, up) or to the row before it ([G, K, 1]: the
   experts' down projection). With eight_bit_operand (the TPU's kernels: moe) the 8-bit values go into the
-  product as they are, elsewhere as a bare convert to x's dtype: XLA TPU's ragged dot
-  reads s8 weights next to bf16 rows, where qwix's dequantise-first path wrote a bf16 copy of every expert's
-  weights per call (a v6e, 10240 rows x 64 experts of 2048 x 1024: 269 MB of temporaries and 860 MB moved,
-  against 2.5 MB and 704 MB this way; bench.roofline's int8 rows). Block scales, which vary along K, still
-  dequantise first."""
+  product as they are, elsewhere as a bare convert to x's dtype: XLA TPU's ragged dot reads s8 weights next
+  to bf16 rows, where qwix's dequantise-first path wrote a bf16 copy of every expert's weights per call. A v5e's
+  batch-1 refresh (7B-A1B, 10240 routed rows per layer; bench.realistic's kernel charges): 79.1 ms with
+  qwix's path (12.9 GB of dequantised copies), 31.5 ms this way (bf16 weights: 53). Block scales, which vary
+  along K, still dequantise first."""
   if not is_qarray(w):
     return jax.lax.ragged_dot(x, w.astype(x.dtype), sizes)
   G, K, N = w.shape
   if w.scale.shape not in ((G, 1, N), (G, K, 1)):
     return qwix.ragged_dot(x, w.astype(x.dtype), sizes)
-  # The group of each row: rows past the last group (none in the MoE) take the last group's scales.
-  ends = jnp.cumsum(sizes)
-  group = jnp.minimum(jnp.sum(jnp.arange(x.shape[0], dtype=ends.dtype)[:, None] >= ends[None, :], axis=1), G - 1)
-  s = w.scale.astype(jnp.float32)
+  rows = _group_scales(sizes, w.scale.reshape(G, -1), x.shape[0])
   q = w.qvalue if eight_bit_operand else w.qvalue.astype(x.dtype)
   if w.scale.shape[1] == K:
-    xs = (x.astype(jnp.float32) * s[:, :, 0][group]).astype(x.dtype)
-    return jax.lax.ragged_dot(xs, q, sizes, preferred_element_type=jnp.float32).astype(x.dtype)
-  y = jax.lax.ragged_dot(x, q, sizes, preferred_element_type=jnp.float32)
-  return (y * s[:, 0, :][group]).astype(x.dtype)
+    return jax.lax.ragged_dot((x.astype(jnp.float32) * rows).astype(x.dtype), q, sizes, preferred_element_type=x.dtype)
+  # The product leaves in x's dtype (accumulated in fp32 inside the kernel), so the scaling fuses into its
+  # consumer (the SwiGLU) instead of a pass over an fp32 [M, N] result; a bf16 rounding before a scale is the
+  # same relative error as after it.
+  y = jax.lax.ragged_dot(x, q, sizes, preferred_element_type=x.dtype)
+  return (y.astype(jnp.float32) * rows).astype(x.dtype)
+
+
+def _group_scales(sizes: jax.Array, scale: jax.Array, M: int) -> jax.Array:
+  """Each row's group's scales, [M, C], for rows sorted by group (rows past the last group: none).
+
+  A one-hot [M, G] by [G, C] product rather than a gather: XLA TPU writes a gather of [M, C] fp32 rows to HBM
+  (3 x 335 MB per layer at 81920 rows), while the product fuses into the multiply that consumes it. HIGHEST
+  precision keeps the fp32 scales exact (a 0/1 matrix times them)."""
+  ends = jnp.cumsum(sizes)
+  group = jnp.sum(jnp.arange(M, dtype=ends.dtype)[:, None] >= ends[None, :], axis=1)
+  onehot = (group[:, None] == jnp.arange(scale.shape[0], dtype=group.dtype)[None, :]).astype(jnp.float32)
+  return jnp.dot(onehot, scale.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 def weight_bytes(params) -> dict[str, int]:
