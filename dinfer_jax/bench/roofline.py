@@ -770,11 +770,16 @@ def run(preset_name: str, chips: list[str], batches: list[int], caches: list[str
           for r in new:
             if progress:
               progress(_line(r))
+            if (u := over_memory(r, target)) is not None:
+              unfit.append(u)
+              if progress:
+                progress(_unfit_line(u))
           chip_rows += new
     rows += chip_rows
     # The range: the same prediction with every charge at its slow end, and at its fast end.
     slow, fast = (predict(as_case(chip_rows, case), preset_name, tpf, target.charges(case)) for case in ("slow", "fast"))
-    predictions += [dict(p, chip=target.chip_name,
+    over = {(u["batch"], u["cache"], u["weights"]) for u in unfit if u["chip"] == target.chip_name}
+    predictions += [dict(p, chip=target.chip_name, fits=(p["batch"], p["cache"], p["weights"]) not in over,
                          realistic_tps_per_seq_range=[lo["realistic_tps_per_seq"], hi["realistic_tps_per_seq"]],
                          realistic_tps_aggregate_range=[lo["realistic_tps_aggregate"], hi["realistic_tps_aggregate"]])
                     for p, lo, hi in zip(predict(chip_rows, preset_name, tpf, target.charges()), slow, fast)]
@@ -797,13 +802,27 @@ def overflows(e: BaseException) -> bool:
   return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
+def over_memory(row: dict[str, Any], target: Target) -> dict[str, Any] | None:
+  """A does_not_fit entry for a generate program that compiled but whose arguments, temporaries and outputs
+  together exceed the chip's HBM: XLA TPU's compile-time check measures them apart (a v5e's batch-8 int8
+  program compiled with 8.0 GB of weights and 9.4 GB of temporaries, 17.5 GB on a chip that holds 16.9)."""
+  if row["kind"] != "generate" or "temp_bytes" not in row:
+    return None
+  need = row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"]
+  if need <= target.chip.memory_bytes:
+    return None
+  return {"chip": row["chip"], "batch": row["batch"], "cache": row["cache"], "weights": row.get("weights", "bf16"),
+          "error": f"compiles, but needs {need / 1e9:.2f} GB per chip (arguments {row['argument_bytes'] / 1e9:.2f}, "
+                   f"temporaries {row['temp_bytes'] / 1e9:.2f}) of {target.chip.memory_bytes / 1e9:.2f}"}
+
+
 def memory_fit(rows: list[dict[str, Any]], hbm_bytes: int) -> dict[str, Any]:
   """What fits in one chip's HBM, from the generate program's memory_analysis (arguments + temporaries +
   outputs per chip) at the batches compiled: affine in the batch (the weights once; each row's cache,
   canvas and logits), so two batches give its slope. The largest batch is where the line meets the HBM; the
   largest canvas at batch 1 takes each row's bytes as proportional to its canvas (cache, activations and
   logits all are, to first order). An estimate: compile at the batch it gives to know (XLA TPU refuses a
-  program that overflows HBM)."""
+  program whose temporaries overflow HBM; over_memory reports one whose whole footprint does)."""
   gen = sorted((r for r in rows if r["kind"] == "generate"), key=lambda r: r["batch"])
   out: dict[str, Any] = {"hbm_bytes_per_chip": hbm_bytes}
   use = {r["batch"]: r["argument_bytes"] + r["temp_bytes"] + r["output_bytes"] for r in gen}
@@ -919,7 +938,8 @@ def markdown(res: dict[str, Any]) -> str:
     r = p.get(f"{key}_range")
     return f"{p[key]:.0f} ({r[0]:.0f}-{r[1]:.0f})" if r else f"{p[key]:.0f}"
   for p in res["predictions"]:
-    lines.append(f"| {p['chip']} | {p['batch']} | {p['cache']} | {p.get('weights', 'bf16')} "
+    over = "" if p.get("fits", True) else " (over HBM)"
+    lines.append(f"| {p['chip']} | {p['batch']}{over} | {p['cache']} | {p.get('weights', 'bf16')} "
                  f"| {p['predicted_tps_per_seq']:.0f} "
                  f"| {p['predicted_tps_aggregate']:.0f} | {rng(p, 'realistic_tps_per_seq')} "
                  f"| {rng(p, 'realistic_tps_aggregate')} | {p.get('realistic_source', 'composed forwards')} "

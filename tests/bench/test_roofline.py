@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dinfer_jax import hardware
 from dinfer_jax.bench import roofline
 
 
@@ -324,3 +325,24 @@ def test_a_program_that_overflows_the_chip_is_reported_not_raised(monkeypatch):
   monkeypatch.setattr(roofline, "forward_rows", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("INTERNAL: bad")))
   with pytest.raises(RuntimeError, match="INTERNAL"):
     roofline.run("tiny", ["h200"], [1], ["dual"], "cpu", progress=None, with_generate=False)
+
+
+def test_a_program_that_compiles_but_outgrows_the_chip_is_reported(monkeypatch):
+  """XLA TPU's compile checks arguments and temporaries apart, so a program can compile and still not fit: the
+  bench adds one whose generate program needs more than the chip's HBM (arguments + temporaries + outputs)
+  to does_not_fit and marks its prediction."""
+  real = roofline.memory
+  chip = hardware.CHIPS["h200"]
+
+  def memory(compiled):  # every program a chip's worth of temporaries more; only generate ones are judged
+    m = real(compiled)
+    return dict(m, temp_bytes=m["temp_bytes"] + chip.memory_bytes)
+  res = roofline.run("tiny", ["h200"], [1], ["dual"], "cpu", progress=None)
+  assert res["does_not_fit"] == [] and all(p["fits"] for p in res["predictions"])
+  monkeypatch.setattr(roofline, "memory", memory)
+  res = roofline.run("tiny", ["h200"], [1], ["dual"], "cpu", progress=None)
+  gen = next(r for r in res["rows"] if r["kind"] == "generate")
+  assert gen["argument_bytes"] + gen["temp_bytes"] > chip.memory_bytes
+  [u] = res["does_not_fit"]
+  assert (u["batch"], u["weights"]) == (1, "bf16") and u["error"].startswith("compiles, but needs")
+  assert [p["fits"] for p in res["predictions"]] == [False] and "(over HBM)" in roofline.markdown(res)
