@@ -81,8 +81,8 @@ SLOW_CASES = (
     "tests/train_td/test_trainer.py::test_deterministic_runs",
     "tests/train_td/test_trainer.py::test_export_load_round_trip[bfloat16]",
     "tests/train_td/test_trainer.py::test_killed_run_resumes_without_duplicate_metrics",
-    "tests/train_td/test_td_jsonl.py::test_td_run_and_export_on_a_dense_llada_base",
-    "tests/train_td/test_td_jsonl.py::test_jsonl_math_task_through_the_chat_template_matches_the_builtin_task",
+    "tests/tasks/test_jsonl.py::test_td_run_and_export_on_a_dense_llada_base",
+    "tests/tasks/test_jsonl.py::test_jsonl_math_task_through_the_chat_template_matches_the_builtin_task",
     "tests/convert/test_convert_cli.py::test_refuses_existing_dst",
     "tests/evaluation/test_lm_eval.py::test_offline_lm_eval_scores_what_train_td_eval_scores",
     "tests/engine/test_engine_vs_reference.py::test_batch1_equals_reference[threshold-prefix-smooth]",
@@ -102,6 +102,14 @@ SLOW_CASES = (
     # notebooks and the richer staggered-slots case stay):
     "tests/test_notebooks.py::test_notebook_executes[03_default_model_commit_order.ipynb]",
     "tests/engine/test_slots.py::test_staggered_rows_equal_their_prompt_alone[dual]",
+    # 2026-12-07 (fifth session), when the suite took 723 s here (the two jsonl cases above had come back to the
+    # default run when their file moved to tests/tasks; test_slow_cases.py now checks every name): one of two
+    # models for 8-bit activations (tiny_llada_moe and the dense tiny_llada stay), fp8 generate (fp8+embed
+    # stays), two of the sharded generate cases (eight others stay).
+    "tests/model/test_quant.py::test_a8_forward_error_and_kernels[tiny_llada2_moe]",
+    "tests/model/test_quant.py::test_quantised_generate_matches_dequantised_reference[fp8]",
+    "tests/sharding/test_sharded_generate.py::test_sharded_generate_equals_single_device[t2-hierarchy_prefix_smoothing]",
+    "tests/sharding/test_sharded_generate.py::test_sharded_generate_equals_single_device[d8-llada2_block_diffusion]",
 )
 
 
