@@ -802,13 +802,18 @@ def overflows(e: BaseException) -> bool:
   return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
+def footprint(row: dict[str, Any]) -> int:
+  """A compiled program's HBM per chip by its memory_analysis: arguments + temporaries + outputs."""
+  return row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"]
+
+
 def over_memory(row: dict[str, Any], target: Target) -> dict[str, Any] | None:
   """A does_not_fit entry for a generate program that compiled but whose arguments, temporaries and outputs
   together exceed the chip's HBM: XLA TPU's compile-time check measures them apart (a v5e's batch-8 int8
   program compiled with 8.0 GB of weights and 9.4 GB of temporaries, 17.5 GB on a chip that holds 16.9)."""
   if row["kind"] != "generate" or "temp_bytes" not in row:
     return None
-  need = row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"]
+  need = footprint(row)
   if need <= target.chip.memory_bytes:
     return None
   return {"chip": row["chip"], "batch": row["batch"], "cache": row["cache"], "weights": row.get("weights", "bf16"),
@@ -825,7 +830,7 @@ def memory_fit(rows: list[dict[str, Any]], hbm_bytes: int) -> dict[str, Any]:
   program whose temporaries overflow HBM; over_memory reports one whose whole footprint does)."""
   gen = sorted((r for r in rows if r["kind"] == "generate"), key=lambda r: r["batch"])
   out: dict[str, Any] = {"hbm_bytes_per_chip": hbm_bytes}
-  use = {r["batch"]: r["argument_bytes"] + r["temp_bytes"] + r["output_bytes"] for r in gen}
+  use = {r["batch"]: footprint(r) for r in gen}
   if 1 in use:
     out["memory_per_chip_batch1_bytes"] = use[1]
   if len(use) >= 2:
